@@ -1,0 +1,22 @@
+"""per_sample_hooks: per-sample gradients and friends for unchanged ``nn.Module``s, via hooks."""
+from .api import (
+    add_hooks,
+    clear_backprops,
+    compute_grad1,
+    disable_hooks,
+    enable_hooks,
+    is_supported,
+    per_sample_parameters,
+    remove_hooks,
+)
+from .capture import Call, HookState
+from .errors import PerSampleHooksError, UnsupportedModuleError
+from .rules import Rule, RuleRegistry, register_rule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "add_hooks", "remove_hooks", "disable_hooks", "enable_hooks", "is_supported",
+    "clear_backprops", "compute_grad1", "per_sample_parameters", "register_rule", "Rule",
+    "RuleRegistry", "Call", "HookState", "PerSampleHooksError", "UnsupportedModuleError",
+]

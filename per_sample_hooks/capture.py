@@ -1,0 +1,189 @@
+"""Capture: hook registration and removal, one :class:`Call` record per module call.
+
+This file knows nothing about any layer. A forward hook records the module's inputs; tensor
+hooks registered on the module's outputs inside that forward hook record the gradients that
+reach them. Tensor hooks (not module backward hooks) keep working when an in-place op such as
+``ReLU(inplace=True)`` follows the layer.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from .errors import PerSampleHooksError
+
+STATE_ATTRIBUTE = "_per_sample_hooks"
+
+
+class Call:
+    """What one call of a hooked module left behind: its inputs and its output gradients.
+
+    ``grads[j]`` lists, one per backward pass, the gradients reaching output leaf ``j``
+    (leaves in ``torch.utils._pytree`` order). Batch dims are as the module saw them;
+    :meth:`activation` and :meth:`backprop` move the batch dim to the front.
+    """
+
+    __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "__weakref__")
+
+    def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool):
+        self.args = args
+        self.kwargs = kwargs
+        self.grads: list[list[Tensor]] = [[] for _ in range(n_outputs)]
+        self.batch_dim = batch_dim
+        self.training = training
+        self.versions = tuple(a._version if isinstance(a, Tensor) else None for a in args)
+
+    @property
+    def has_grads(self) -> bool:
+        return any(self.grads)
+
+    @property
+    def n_passes(self) -> int:
+        """Number of backward passes that reached this call's outputs."""
+        return max((len(g) for g in self.grads), default=0)
+
+    def activation(self, index: int = 0) -> Tensor:
+        """Positional input ``index`` with the batch dim first."""
+        return _batch_first(self.args[index], self.batch_dim)
+
+    def backprop(self, leaf: int = 0) -> Tensor | None:
+        """Gradient reaching output leaf ``leaf``, summed over backward passes, batch dim first."""
+        passes = self.grads[leaf]
+        if not passes:
+            return None
+        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        return _batch_first(grad, self.batch_dim)
+
+    def backprops(self, leaf: int = 0) -> list[Tensor]:
+        """One gradient per backward pass for output leaf ``leaf``, batch dim first."""
+        return [_batch_first(g, self.batch_dim) for g in self.grads[leaf]]
+
+    @property
+    def batch_size(self) -> int:
+        for a in self.args:
+            if isinstance(a, Tensor) and a.dim() > self.batch_dim:
+                return a.shape[self.batch_dim]
+        for passes in self.grads:
+            if passes:
+                return passes[0].shape[self.batch_dim]
+        raise PerSampleHooksError("cannot tell the batch size of a call with no tensor input")
+
+    def modified_inputs(self) -> list[int]:
+        """Positions of tensor inputs modified in place since the forward."""
+        return [i for i, (a, v) in enumerate(zip(self.args, self.versions))
+                if v is not None and a._version != v]
+
+
+def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
+    return t if batch_dim == 0 else t.movedim(batch_dim, 0)
+
+
+_live_states: weakref.WeakSet[HookState] = weakref.WeakSet()
+"""Every live HookState, so that ``disable_hooks()`` with no model reaches all of them. It holds
+no captured data: each model's records live in its own HookState."""
+
+
+class HookState:
+    """All capture state of one hooked model. Returned by ``add_hooks``; a context manager."""
+
+    def __init__(self, model: nn.Module, modules: dict[nn.Module, tuple[str, int]]):
+        self._model_ref = weakref.ref(model)
+        self.modules = modules  # module -> (qualified name, batch dim)
+        self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
+        self.enabled = True
+        self.consumed = False  # set by compute_*: the next forward starts a new step
+        self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
+        self.handles: list[Any] = []
+        self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
+        for module, (_, batch_dim) in modules.items():
+            hook = self._make_forward_hook(self.calls[module], batch_dim)
+            self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        _live_states.add(self)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model_ref()
+
+    def _make_forward_hook(self, calls: list[Call], batch_dim: int) -> Callable:
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self.enabled or not torch.is_grad_enabled():
+                return
+            if isinstance(output, Tensor):
+                leaves = [output]
+            else:
+                leaves = [t for t in tree_flatten(output)[0]]
+            if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
+                return
+            if self.consumed:
+                self.clear()
+            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            call = Call(args, kwargs, len(leaves), batch_dim, module.training)
+            for grads, leaf in zip(call.grads, leaves):
+                if isinstance(leaf, Tensor) and leaf.requires_grad:
+                    leaf.register_hook(grads.append)
+            calls.append(call)
+        return forward_hook
+
+    def clear(self) -> None:
+        """Forget every captured call (buffers stay for reuse)."""
+        for calls in self.calls.values():
+            calls.clear()
+        self.consumed = False
+
+    def remove(self) -> None:
+        """Remove every hook, captured tensor, buffer and ``grad1``/``hess`` attribute."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.clear()
+        self.buffers.clear()
+        for module in self.modules:
+            for p in module.parameters(recurse=False):
+                for attribute in ("grad1", "hess"):
+                    if hasattr(p, attribute):
+                        delattr(p, attribute)
+        model = self.model
+        if model is not None and model.__dict__.get(STATE_ATTRIBUTE) is self:
+            del model.__dict__[STATE_ATTRIBUTE]
+        _live_states.discard(self)
+
+    def __enter__(self) -> HookState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def buffer(self, module: nn.Module, name: str, batch_size: int, param: Tensor) -> Tensor:
+        """A persistent ``[batch_size, *param.shape]`` buffer reused across steps, never zeroed.
+
+        A smaller batch than before gets a view of the first rows of the existing buffer.
+        """
+        key = (module, name)
+        buf = self.buffers.get(key)
+        if (buf is None or buf.shape[1:] != param.shape or buf.shape[0] < batch_size
+                or buf.dtype != param.dtype or buf.device != param.device):
+            buf = torch.empty((batch_size, *param.shape), dtype=param.dtype, device=param.device)
+            self.buffers[key] = buf
+        return buf[:batch_size]
+
+    def hooked_calls(self) -> Iterator[tuple[nn.Module, str, list[Call]]]:
+        for module, (name, _) in self.modules.items():
+            yield module, name, self.calls[module]
+
+
+def live_states() -> list[HookState]:
+    return list(_live_states)
+
+
+def get_state(model: nn.Module) -> HookState:
+    state = model.__dict__.get(STATE_ATTRIBUTE)
+    if state is None:
+        raise PerSampleHooksError(
+            f"{type(model).__name__} has no per_sample_hooks: call "
+            "per_sample_hooks.add_hooks(model) before the forward pass")
+    return state

@@ -1,0 +1,71 @@
+"""nn.Linear with any leading dims: input ``[B, *, d]``, output ``[B, *, p]``.
+
+With ``A = input.reshape(B, T, d)`` and ``G = grad_output.reshape(B, T, p)``:
+per-sample weight gradient ``G_b^T A_b`` (``[B, p, d]``), bias ``G_b.sum(T)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import Call
+from .base import Rule, register_rule
+
+
+def flatten_positions(t: Tensor) -> Tensor:
+    """``[B, *, f] -> [B, T, f]`` with ``T`` the product of the middle dims (a view if possible)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, accumulate: bool
+                       ) -> None:
+    """``out[b] (+)= scale * grads[b]^T @ acts[b]`` for ``grads [B,T,p]``, ``acts [B,T,d]``.
+
+    Written straight into ``out`` (``[B, p, d]``); nothing is zero-filled or copied. With one
+    position a broadcast product beats ``bmm`` (whose inner dim would be 1) several times over;
+    the scale goes on the smaller operand.
+    """
+    if grads.shape[1] != 1:
+        torch.baddbmm(out, grads.transpose(1, 2), acts, beta=1 if accumulate else 0, alpha=scale,
+                      out=out)
+        return
+    column, row = grads[:, 0, :, None], acts[:, 0, None, :]
+    if accumulate:
+        out.addcmul_(column, row, value=scale)
+        return
+    if scale != 1:
+        if column.shape[1] <= row.shape[2]:
+            column = column * scale
+        else:
+            row = row * scale
+    torch.mul(column, row, out=out)
+
+
+def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
+    """``out[b] (+)= scale * grads[b].sum(positions)`` for ``grads [B, T, p]``."""
+    if grads.shape[1] == 1:
+        summed = grads[:, 0]
+    elif accumulate:
+        summed = grads.sum(1)
+    else:
+        summed = torch.sum(grads, 1, out=out)
+    if accumulate:
+        out.add_(summed, alpha=scale)
+    elif summed is not out or scale != 1:
+        torch.mul(summed, scale, out=out)
+
+
+@register_rule(nn.Linear)
+class LinearRule(Rule):
+    def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
+              out: dict[str, Tensor]) -> None:
+        weight, bias = out.get("weight"), out.get("bias")
+        for i, call in enumerate(calls):
+            grads = flatten_positions(call.backprop())
+            if weight is not None:
+                acts = flatten_positions(call.activation())
+                add_outer_products(weight, grads, acts, scale, i > 0)
+            if bias is not None:
+                add_position_sums(bias, grads, scale, i > 0)
