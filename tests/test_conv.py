@@ -55,7 +55,7 @@ def forced_method(grouped):
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["im2col", "grouped"])
 @pytest.mark.parametrize("dims", [1, 2, 3])
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), loss_type=st.sampled_from(["mean", "sum"]))
 def test_conv_every_option(grouped, dims, data, loss_type):
     conv, shape = data.draw(conv_setups(dims))

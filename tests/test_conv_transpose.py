@@ -39,7 +39,7 @@ def transposed_setups(draw, dims):
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), loss_type=st.sampled_from(["mean", "sum"]))
 def test_conv_transpose_every_option(dims, data, loss_type):
     conv, shape = data.draw(transposed_setups(dims))

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .linear import add_position_sums
+from .linear import add_outer_products, add_position_sums
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""
@@ -103,14 +103,6 @@ def sample_chunks(batch: int, per_sample: int) -> Iterator[tuple[int, int]]:
         yield start, min(batch, start + size)
 
 
-def add_group_products(out: Tensor, left: Tensor, right: Tensor, scale: float,
-                       accumulate: bool) -> None:
-    """``out[n] (+)= scale * left[n] @ right[n]^T`` for ``left [N, P, T]``, ``right [N, Q, T]``,
-    written into ``out [N, P, Q]`` (``N`` = samples x groups)."""
-    torch.baddbmm(out, left, right.transpose(1, 2), beta=1 if accumulate else 0, alpha=scale,
-                  out=out)
-
-
 def add_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor,
                           out: Tensor, scale: float, accumulate: bool) -> None:
     """``out (+)= scale * per-sample weight gradients`` for one call; ``out [B, *weight.shape]``.
@@ -123,9 +115,9 @@ def add_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, grad_outpu
     grads = grad_output.reshape(batch * groups, out_per_group, -1)
     per_sample = weights.shape[2] * grads.shape[2] * groups
     for start, stop in sample_chunks(batch, per_sample):
-        columns = conv_columns(module, x[start:stop]).flatten(0, 1)
+        patches = conv_columns(module, x[start:stop]).flatten(0, 1).transpose(1, 2)
         rows = slice(start * groups, stop * groups)
-        add_group_products(weights[rows], grads[rows], columns, scale, accumulate)
+        add_outer_products(weights[rows], grads[rows].transpose(1, 2), patches, scale, accumulate)
 
 
 def add_grouped_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor,

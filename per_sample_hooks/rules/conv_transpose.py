@@ -26,13 +26,13 @@ from torch.nn import functional as F
 from ..capture import Call
 from .base import Rule, register_rule
 from .conv import (
-    add_group_products,
     add_spatial_sums,
     check_batched,
     layer_input,
     sample_chunks,
     unfold_columns,
 )
+from .linear import add_outer_products
 
 
 def crop_pad_grad_output(module: nn.modules.conv._ConvTransposeNd, grad_output: Tensor,
@@ -88,9 +88,10 @@ def add_conv_transpose_weight_grads(module: nn.modules.conv._ConvTransposeNd, x:
     per_sample = weights.shape[2] * inputs.shape[2] * groups
     spatial = x.shape[2:]
     for start, stop in sample_chunks(batch, per_sample):
-        columns = conv_transpose_columns(module, grad_output[start:stop], spatial).flatten(0, 1)
+        patches = conv_transpose_columns(module, grad_output[start:stop], spatial).flatten(0, 1)
         rows = slice(start * groups, stop * groups)
-        add_group_products(weights[rows], inputs[rows], columns, scale, accumulate)
+        add_outer_products(weights[rows], inputs[rows].transpose(1, 2), patches.transpose(1, 2),
+                           scale, accumulate)
 
 
 @register_rule(nn.ConvTranspose1d)
