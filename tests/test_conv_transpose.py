@@ -129,6 +129,22 @@ def test_unfolded_form_gives_the_weight_gradient(dims):
     torch.testing.assert_close(per_sample.sum(0).reshape(conv.weight.shape), conv.weight.grad)
 
 
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_weight_factors_give_per_sample_gradients(dims):
+    """left^T @ right per sample and group, viewed as the weight, is the loop's gradient."""
+    torch.manual_seed(0)
+    conv = TRANSPOSED[dims](4, 6, 3, stride=2, padding=2, output_padding=1, dilation=2,
+                            groups=2).double()
+    x = torch.randn(3, 4, *[3] * dims, dtype=torch.float64)
+    y = conv(x)
+    grad_output = torch.randn_like(y)
+    left, right = psh.conv_transpose_weight_factors(conv, x, grad_output)
+    per_sample = torch.einsum("bgtp,bgtq->bgpq", left, right).reshape(3, *conv.weight.shape)
+    for b in range(3):
+        expected, = torch.autograd.grad(conv(x[b:b + 1]), conv.weight, grad_output[b:b + 1])
+        torch.testing.assert_close(per_sample[b], expected)
+
+
 def test_unbatched_input_is_refused():
     conv = nn.ConvTranspose1d(2, 3, 3)
     with psh.add_hooks(conv):

@@ -96,6 +96,20 @@ def conv_output_grads(module: nn.modules.conv._ConvNd, grad_output: Tensor) -> T
     return grad_output.reshape(batch, groups, channels // groups, -1).transpose(2, 3)
 
 
+def conv_weight_factors(module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor
+                        ) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``left^T @ right`` per sample and group the weight gradient.
+
+    ``left = conv_output_grads(...)`` ``[B, G, T, Cout/G]``, ``right = conv_patches(...)``
+    ``[B, G, T, (Cin/G)*prod(k)]``, and ``grad_weight[b].view(G, Cout/G, -1)[g] =
+    left[b, g]^T @ right[b, g]`` (without the loss scale). Same contract as
+    :func:`~per_sample_hooks.rules.conv_transpose.conv_transpose_weight_factors`, so norm,
+    clipping and Kronecker-factor code can treat both layer kinds (and Linear, with ``G = 1``)
+    alike. Materializes the patches of the whole batch: slice the batch for large inputs.
+    """
+    return conv_output_grads(module, grad_output), conv_patches(module, x)
+
+
 def sample_chunks(batch: int, per_sample: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` ranges over the batch holding about ``PATCH_CHUNK_ELEMENTS`` numbers."""
     size = max(1, PATCH_CHUNK_ELEMENTS // max(1, per_sample))

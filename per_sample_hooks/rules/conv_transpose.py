@@ -77,6 +77,20 @@ def conv_transpose_inputs(module: nn.modules.conv._ConvTransposeNd, x: Tensor) -
     return x.reshape(batch, groups, channels // groups, -1).transpose(2, 3)
 
 
+def conv_transpose_weight_factors(module: nn.modules.conv._ConvTransposeNd, x: Tensor,
+                                  grad_output: Tensor) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``left^T @ right`` per sample and group the weight gradient.
+
+    ``left = conv_transpose_inputs(...)`` ``[B, G, T, Cin/G]``, ``right =
+    conv_transpose_patches(...)`` ``[B, G, T, (Cout/G)*prod(k)]`` (``T`` input positions), and
+    ``grad_weight[b].view(G, Cin/G, -1)[g] = left[b, g]^T @ right[b, g]`` (without the loss
+    scale): the contract of :func:`~per_sample_hooks.rules.conv.conv_weight_factors`, with the
+    roles of input and output gradient swapped. Materializes the patches of the whole batch.
+    """
+    return (conv_transpose_inputs(module, x),
+            conv_transpose_patches(module, grad_output, x.shape[2:]))
+
+
 def add_conv_transpose_weight_grads(module: nn.modules.conv._ConvTransposeNd, x: Tensor,
                                     grad_output: Tensor, out: Tensor, scale: float,
                                     accumulate: bool) -> None:
