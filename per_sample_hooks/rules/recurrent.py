@@ -106,21 +106,19 @@ def _step_rnn(pre_t: Tensor, h: Tensor, w_hh: Tensor, relu: bool) -> Tensor:
 def _step_lstm(pre_t: Tensor, h: Tensor, c: Tensor, w_hh: Tensor, hidden: int
                ) -> tuple[Tensor, Tensor, Tensor]:
     """One LSTM step: returns ``(o * tanh(c'), c')``, unprojected."""
-    gates = torch.addmm(pre_t, h, w_hh.t())
-    sig = torch.sigmoid(gates)
-    i, f, o = sig[:, :hidden], sig[:, hidden:2 * hidden], sig[:, 3 * hidden:]
-    g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
-    c_new = torch.addcmul(f * c, i, g)
-    return o * torch.tanh(c_new), c_new
+    i, f, g, o = torch.addmm(pre_t, h, w_hh.t()).chunk(4, 1)  # chunk: one cat in backward
+    c_new = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
+    return torch.sigmoid(o) * torch.tanh(c_new), c_new
 
 
 def _step_gru(pre_t: Tensor, h: Tensor, w_hh: Tensor, b_hh: Tensor | None, hidden: int
               ) -> tuple[Tensor, Tensor]:
     """One GRU step: returns ``(h', r)``."""
     gh = h @ w_hh.t() if b_hh is None else torch.addmm(b_hh, h, w_hh.t())
-    rz = torch.sigmoid(pre_t[:, :2 * hidden] + gh[:, :2 * hidden])
-    r, z = rz[:, :hidden], rz[:, hidden:]
-    n = torch.tanh(torch.addcmul(pre_t[:, 2 * hidden:], r, gh[:, 2 * hidden:]))
+    pre_rz, pre_n = pre_t.split([2 * hidden, hidden], 1)
+    gh_rz, gh_n = gh.split([2 * hidden, hidden], 1)
+    r, z = torch.sigmoid(pre_rz + gh_rz).chunk(2, 1)
+    n = torch.tanh(torch.addcmul(pre_n, r, gh_n))
     return torch.addcmul(n, z, h - n), r
 
 
@@ -151,8 +149,9 @@ def _run_direction(module: nn.RNNBase, x: Tensor, layer: int, reverse: bool,
     resets: list[Tensor | None] = [None] * steps
     unprojected: list[Tensor | None] = [None] * steps
     projected: list[Tensor | None] = [None] * steps
+    pre_steps = pre.unbind(1)  # one stack in backward, not a zero-filled [B, T, G] per step
     for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-        pre_t = pre[:, t]
+        pre_t = pre_steps[t]
         c_new = None
         if mode == "LSTM":
             m, c_new = _step_lstm(pre_t, h, c, w_hh, hidden)
