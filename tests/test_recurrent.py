@@ -52,14 +52,15 @@ def sequence_loss(uses: tuple[str, ...], batch_first: bool):
 
 
 class Recurrent(nn.Module):
-    """The module under test, called with an optional initial state."""
+    """The module under test, called with an optional initial state (positional or keyword)."""
 
-    def __init__(self, rnn: nn.RNNBase):
+    def __init__(self, rnn: nn.RNNBase, keywords: bool = False):
         super().__init__()
         self.rnn = rnn
+        self.keywords = keywords
 
     def forward(self, x, hx=None):
-        return self.rnn(x, hx)
+        return self.rnn(input=x, hx=hx) if self.keywords else self.rnn(x, hx)
 
 
 def sample_initial_state(hx, i: int):
@@ -84,11 +85,11 @@ def loop_grads(model, x, lengths, hx, loss_fn, batch_first):
 
 
 def check_against_loop(mode, batch, steps, input_size, hidden, num_layers, bidirectional,
-                       batch_first, bias, initial_state, packing, uses, loss_type, seed=0):
-    torch.manual_seed(seed)
+                       batch_first, bias, initial_state, packing, uses, loss_type, keywords=False):
+    torch.manual_seed(0)
     rnn = make_rnn(mode, input_size, hidden, num_layers=num_layers, bias=bias,
                    bidirectional=bidirectional, batch_first=batch_first)
-    model = Recurrent(rnn).double()
+    model = Recurrent(rnn, keywords).double()
     x = torch.randn(batch, steps, input_size, dtype=torch.float64)
     if not batch_first:
         x = x.transpose(0, 1).contiguous()
@@ -134,7 +135,8 @@ def test_matches_loop(mode, batch, steps, input_size, hidden, num_layers, bidire
 def test_every_option_at_once(mode, packing):
     for batch_first in (True, False):
         check_against_loop(mode, 4, 5, 3, 3, 2, True, batch_first, True, True, packing,
-                           ("c", "h", "out") if "LSTM" in mode else ("h", "out"), "mean")
+                           ("c", "h", "out") if "LSTM" in mode else ("h", "out"), "mean",
+                           keywords=batch_first)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -193,18 +195,19 @@ def test_packed_classifier_with_linear_head():
     class PackedClassifier(nn.Module):
         def __init__(self):
             super().__init__()
+            self.embed = nn.Linear(3, 3)  # the packed data requires grad
             self.rnn = nn.LSTM(3, 4, bidirectional=True)
-            self.head = nn.Linear(8, 2)
+            self.head = nn.Linear(4, 2)
 
-        def forward(self, x, lengths):
-            packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+        def forward(self, x, lengths):  # seq first: batch_dim=1 for every module
+            packed = pack_padded_sequence(self.embed(x).tanh(), lengths, enforce_sorted=False)
             _, (h_n, _) = self.rnn(packed)
-            return self.head(torch.cat([h_n[0], h_n[1]], 1))
+            return self.head(h_n).sum(0)  # [2, B, 4] -> [2, B, 2] -> [B, 2]
 
     model = PackedClassifier().double()
     x = torch.randn(6, 5, 3, dtype=torch.float64)  # [T, B, in]
     lengths = torch.tensor([3, 6, 1, 6, 2])
-    got = hooked_grads(model, [x, lengths], lambda y: (y ** 2).sum(1) + y[:, 0])
+    got = hooked_grads(model, [x, lengths], lambda y: (y ** 2).sum(1) + y[:, 0], batch_dim=1)
     for i, length in enumerate(lengths.tolist()):
         model.zero_grad()
         y = model(x[:length, i:i + 1], lengths[i:i + 1])
@@ -294,3 +297,20 @@ def test_batch_size_of_seq_first_and_packed_calls():
     assert rule.batch_size(rnn, Call((x, h0), {}, 2, 0, True)) == 4
     packed = pack_padded_sequence(x, torch.tensor([7, 2, 5, 1]), enforce_sorted=False)
     assert rule.batch_size(rnn, Call((packed,), {"hx": h0}, 5, 0, True)) == 4
+
+
+def test_seq_first_model_with_batch_dim_one():
+    """add_hooks' batch_dim=1 serves the Linear layers; the rule reads batch_first itself."""
+    torch.manual_seed(0)
+
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])  # [T, B, 2]
+
+    assert_matches_loop(SeqFirst(), [torch.randn(5, 4, 3)], batch_dim=1,
+                        loss_fn=lambda out: weighted(out.transpose(0, 1)))
