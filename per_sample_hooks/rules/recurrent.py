@@ -57,8 +57,9 @@ class DirectionRun:
 
     ``pre [B, T, G]``: gate pre-activations fed by the input (``x W_ih^T + b_ih``, plus ``b_hh``
     for RNN/LSTM), the tensor whose gradient is ``P``. ``states [B, T, h]``: hidden state after
-    each step, in time order. ``extras``: GRU reset gates, or LSTM projection inputs ``M`` and
-    the per-step projected states whose gradients are ``D``.
+    each step, in time order (stacked from the loop; the gradient source for the next layer).
+    GRU: ``reset_gates [B, T, hidden]``. LSTM with projection: ``projection_inputs`` (``M``,
+    ``[B, T, hidden]``) and the per-step projected states whose gradients stack to ``D``.
     """
     x: Tensor
     pre: Tensor
@@ -103,8 +104,7 @@ def _step_rnn(pre_t: Tensor, h: Tensor, w_hh: Tensor, relu: bool) -> Tensor:
     return torch.relu(a) if relu else torch.tanh(a)
 
 
-def _step_lstm(pre_t: Tensor, h: Tensor, c: Tensor, w_hh: Tensor, hidden: int
-               ) -> tuple[Tensor, Tensor, Tensor]:
+def _step_lstm(pre_t: Tensor, h: Tensor, c: Tensor, w_hh: Tensor) -> tuple[Tensor, Tensor]:
     """One LSTM step: returns ``(o * tanh(c'), c')``, unprojected."""
     i, f, g, o = torch.addmm(pre_t, h, w_hh.t()).chunk(4, 1)  # chunk: one cat in backward
     c_new = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
@@ -154,7 +154,7 @@ def _run_direction(module: nn.RNNBase, x: Tensor, layer: int, reverse: bool,
         pre_t = pre_steps[t]
         c_new = None
         if mode == "LSTM":
-            m, c_new = _step_lstm(pre_t, h, c, w_hh, hidden)
+            m, c_new = _step_lstm(pre_t, h, c, w_hh)
             if w_hr is not None:
                 unprojected[t] = m
                 h_new = m @ w_hr.t()
