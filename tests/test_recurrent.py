@@ -284,6 +284,17 @@ def test_dropout_in_training_mode_is_refused():
             psh.compute_grad1(model)
 
 
+def test_frozen_module_with_dropout_is_accepted():
+    torch.manual_seed(0)
+    model = Classifier(dropout=0.5)
+    model.rnn.requires_grad_(False)
+    with psh.add_hooks(model):
+        model(torch.randn(3, 4, 5)).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        torch.testing.assert_close(model.head.weight.grad1.sum(0), model.head.weight.grad)
+        assert not hasattr(model.rnn.weight_ih_l0, "grad1")
+
+
 def test_dropout_in_eval_mode_is_exact():
     torch.manual_seed(0)
     assert_matches_loop(Classifier(dropout=0.5).eval(), [torch.randn(4, 3, 5)])

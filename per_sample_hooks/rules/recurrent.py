@@ -365,7 +365,11 @@ class RecurrentRule(Rule):
         return data.shape[0 if module.batch_first else 1]
 
     def check(self, module: nn.RNNBase, calls: Sequence[Call], name: str) -> None:
-        if module.dropout > 0 and module.num_layers > 1 and any(c.training for c in calls):
+        # Layers below get the real (masked) backprop from autograd: only this module's own
+        # trainable parameters need the mask, so a frozen module with dropout is fine.
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if (trainable and module.dropout > 0 and module.num_layers > 1
+                and any(c.training for c in calls)):
             raise PerSampleHooksError(
                 f"'{name}' ({type(module).__name__}) applies dropout={module.dropout} between its "
                 "layers in training mode; its random mask cannot be reproduced, so per-sample "
