@@ -1,6 +1,6 @@
 """Per-sample gradients of a 2-layer LSTM classifier: hooked vs plain forward+backward.
 
-    PYTHONPATH=$PWD python benchmarks/lstm_classifier.py [--device cuda] [--repeats 10]
+    PYTHONPATH=$PWD python benchmarks/lstm_classifier.py [--device cuda] [--torch-func]
 
 Plain fwd+bwd of an unhooked copy and hooked fwd+bwd+compute_grad1, run alternately
 (``--repeats`` pairs after warm-up); reports medians and the median of per-pair ratios.
@@ -51,6 +51,37 @@ def timed_pair(first, second, repeats: int, device: str) -> tuple[float, float, 
     return statistics.median(a) * 1e3, statistics.median(b) * 1e3, ratio
 
 
+def unrolled_classifier(params: dict[str, torch.Tensor], x: torch.Tensor, layers: int
+                        ) -> torch.Tensor:
+    """The classifier written out step by step (what ``torch.func`` can vmap): ``x [T, in]``."""
+    for k in range(layers):
+        w_ih, w_hh = params[f"rnn.weight_ih_l{k}"], params[f"rnn.weight_hh_l{k}"]
+        bias = params[f"rnn.bias_ih_l{k}"] + params[f"rnn.bias_hh_l{k}"]
+        pre = x @ w_ih.t() + bias
+        h = c = x.new_zeros(w_hh.shape[1])
+        outputs = []
+        for t in range(x.shape[0]):
+            i, f, g, o = (pre[t] + w_hh @ h).chunk(4)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            outputs.append(h)
+        x = torch.stack(outputs)
+    return h @ params["head.weight"].t() + params["head.bias"]
+
+
+def torch_func_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Per-sample gradients with ``torch.func.vmap(grad)`` over :func:`unrolled_classifier`
+    (``vmap`` over ``nn.LSTM`` itself fails: no batching rule for the fused op)."""
+    from torch.func import grad, vmap
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        logits = unrolled_classifier(p, xi, model.rnn.num_layers)
+        return nn.functional.cross_entropy(logits[None], yi[None])
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=32)
@@ -60,6 +91,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--torch-func", action="store_true",
+                        help="also time torch.func vmap(grad) over an unrolled copy")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -85,12 +118,21 @@ def main() -> None:
     plain_ms, hooked_ms, ratio = timed_pair(plain, hooked, args.repeats, device)
     g = model.rnn.weight_hh_l1.grad1
     assert torch.allclose(g.mean(0), model.rnn.weight_hh_l1.grad, rtol=1e-4, atol=1e-6)
+    func_ms = func_ratio = None
+    if args.torch_func:
+        expected = torch_func_step(model, x, y)["rnn.weight_hh_l1"]
+        assert torch.allclose(g, expected, rtol=1e-3, atol=1e-5)
+        func_ms, _, func_ratio = timed_pair(lambda: torch_func_step(model, x, y), hooked,
+                                            max(3, args.repeats // 4), device)
     state.remove()
     print(f"device={device} threads={args.threads} B={args.batch} T={args.steps} "
           f"in={args.input} H={args.hidden} (2-layer LSTM + Linear, cross-entropy, mean)")
     print(f"plain fwd+bwd                 {plain_ms:8.2f} ms")
     print(f"hooked fwd+bwd+compute_grad1  {hooked_ms:8.2f} ms   ratio {ratio:.2f}x "
           "(median of per-pair ratios)")
+    if func_ms is not None:
+        print(f"torch.func vmap(grad), unrolled {func_ms:8.2f} ms   hooked/torch.func "
+              f"{func_ratio:.2f}x")
 
 
 if __name__ == "__main__":
