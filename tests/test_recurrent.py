@@ -236,12 +236,21 @@ def test_reuse_sums_contributions(loss_type):
                         loss_type=loss_type)
 
 
-def test_frozen_parameters():
+@pytest.mark.parametrize("frozen", [
+    ("weight_hh_l0", "bias_ih_l1"),
+    ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0", "weight_hr_l0",
+     "weight_ih_l0_reverse", "weight_hh_l0_reverse", "bias_ih_l0_reverse", "bias_hh_l0_reverse",
+     "weight_hr_l0_reverse"),  # the backward stops at layer 1
+    ("weight_ih_l1_reverse", "weight_hh_l1_reverse", "bias_ih_l1_reverse",
+     "bias_hh_l1_reverse"),  # one direction of one layer: its projection stays trainable
+])
+def test_frozen_parameters(frozen):
     torch.manual_seed(0)
-    model = Classifier(proj_size=0, bidirectional=False)
-    model.rnn.weight_hh_l0.requires_grad_(False)
-    model.rnn.bias_ih_l1.requires_grad_(False)
-    assert_matches_loop(model, [torch.randn(4, 5, 5)])
+    model = Recurrent(nn.LSTM(3, 4, num_layers=2, bidirectional=True, proj_size=2,
+                              batch_first=True))
+    for name in frozen:
+        getattr(model.rnn, name).requires_grad_(False)
+    assert_matches_loop(model, [torch.randn(4, 5, 3)], loss_fn=sequence_loss(("h", "out"), True))
 
 
 def test_unbatched_input_is_one_sample():

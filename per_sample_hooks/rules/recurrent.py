@@ -323,9 +323,13 @@ def _zero_direction(layer: int, reverse: bool, out: dict[str, Tensor], accumulat
 
 def add_call_grad1(module: nn.RNNBase, call: Call, scale: float, out: dict[str, Tensor],
                    accumulate: bool) -> None:
-    """Write (or add) one call's per-sample gradients into ``out``."""
+    """Write (or add) one call's per-sample gradients into ``out``.
+
+    The backward through the re-run stops at the lowest layer with a parameter in ``out``.
+    """
     inputs = recurrent_input(module, call)
     grad_out, grad_h, grad_c = output_grads(module, call, inputs)
+    directions = 2 if module.bidirectional else 1
     with torch.enable_grad():
         run = unrolled_forward(module, inputs.x, inputs.lengths, inputs.h0, inputs.c0)
         outputs, seeds = [], []
@@ -333,23 +337,23 @@ def add_call_grad1(module: nn.RNNBase, call: Call, scale: float, out: dict[str, 
             if seed is not None:
                 outputs.append(tensor)
                 seeds.append(seed)
-        wanted = [r.pre for r in run.directions]
-        for r in run.directions:
-            wanted.extend(r.projected_steps)
+        needed, wanted = [], []  # (layer, run, how many gradients it asked for)
+        for index, r in enumerate(run.directions):
+            names = parameter_names(index // directions, r.reverse).values()
+            if any(name in out for name in names):
+                wanted.append(r.pre)
+                wanted.extend(r.projected_steps)
+                needed.append((index // directions, r, 1 + len(r.projected_steps)))
         grads = torch.autograd.grad(outputs, wanted, seeds, allow_unused=True)
-    pre_grads, rest = grads[:len(run.directions)], list(grads[len(run.directions):])
-    directions = 2 if module.bidirectional else 1
-    for index, (r, pre_grad) in enumerate(zip(run.directions, pre_grads)):
-        layer = index // directions
-        projected_grad = None
-        if r.projected_steps:
-            steps, rest = rest[:len(r.projected_steps)], rest[len(r.projected_steps):]
-            projected_grad = torch.stack(
-                [torch.zeros_like(p) if g is None else g for g, p in zip(steps, r.projected_steps)],
-                1)
+    for layer, r, count in needed:
+        (pre_grad, *step_grads), grads = grads[:count], grads[count:]
         if pre_grad is None:
             _zero_direction(layer, r.reverse, out, accumulate)
             continue
+        projected_grad = None
+        if step_grads:
+            projected_grad = torch.stack([torch.zeros_like(p) if g is None else g
+                                          for g, p in zip(step_grads, r.projected_steps)], 1)
         _write_direction(module, layer, r, pre_grad, projected_grad, scale, out, accumulate)
 
 
