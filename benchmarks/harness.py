@@ -69,20 +69,25 @@ def _time_once(method: Method, repeat: int) -> float:
 
 def compare(methods: Mapping[str, Method], *, rounds: int = 30, warmup: int = 3,
             repeat: int | Mapping[str, int] = 1, every: Mapping[str, int] | None = None,
-            budget_s: float | None = None) -> dict[str, Timing]:
+            budget_s: float | None = None, min_sample_ms: float | None = None
+            ) -> dict[str, Timing]:
     """Time every method in interleaved rounds; returns ``{name: Timing}`` in input order.
 
     ``warmup`` untimed calls of each method come first (buffers, caches, lazy init).
     Each round times every method once, in turn; one sample is the mean over ``repeat``
     back-to-back calls (an int, or per method: use it for methods under ~1 ms).
     ``every={"loop": 5}`` times a slow method only in every 5th round (and at least once).
+    ``min_sample_ms`` instead sets each method's ``repeat`` from its last warm-up call, so
+    that one sample lasts at least that long (timer resolution and call jitter of fast methods).
     ``budget_s`` stops early, after at least 5 rounds, once that many seconds have passed.
     """
     every = dict(every or {})
     repeats = {n: (repeat if isinstance(repeat, int) else repeat.get(n, 1)) for n in methods}
-    for method in methods.values():
-        for _ in range(warmup):
-            method()
+    for name, method in methods.items():
+        for _ in range(max(warmup, 1 if min_sample_ms else 0)):
+            last_ms = _time_once(method, 1)
+        if min_sample_ms:
+            repeats[name] = max(repeats[name], round(min_sample_ms / max(last_ms, 1e-3)))
     samples: dict[str, list[float]] = {n: [] for n in methods}
     start = time.perf_counter()
     gc_was_enabled = gc.isenabled()
