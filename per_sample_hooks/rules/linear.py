@@ -16,6 +16,8 @@ from .base import Rule, register_rule
 
 def flatten_positions(t: Tensor) -> Tensor:
     """``[B, *, f] -> [B, T, f]`` with ``T`` the product of the middle dims (a view if possible)."""
+    if t.dim() == 2:
+        return t.unsqueeze(1)
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
@@ -31,7 +33,7 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
         torch.baddbmm(out, grads.transpose(1, 2), acts, beta=1 if accumulate else 0, alpha=scale,
                       out=out)
         return
-    column, row = grads[:, 0, :, None], acts[:, 0, None, :]
+    column, row = grads.transpose(1, 2), acts  # [B, p, 1], [B, 1, d]
     if accumulate:
         out.addcmul_(column, row, value=scale)
         return
@@ -46,15 +48,17 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
 def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
     """``out[b] (+)= scale * grads[b].sum(positions)`` for ``grads [B, T, p]``."""
     if grads.shape[1] == 1:
-        summed = grads[:, 0]
+        summed = grads.squeeze(1)
     elif accumulate:
         summed = grads.sum(1)
     else:
         summed = torch.sum(grads, 1, out=out)
     if accumulate:
         out.add_(summed, alpha=scale)
-    elif summed is not out or scale != 1:
+    elif scale != 1:
         torch.mul(summed, scale, out=out)
+    elif summed is not out:
+        out.copy_(summed)
 
 
 @register_rule(nn.Linear)
