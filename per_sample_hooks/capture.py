@@ -36,7 +36,7 @@ class Call:
         self.grads: list[list[Tensor]] = [[] for _ in range(n_outputs)]
         self.batch_dim = batch_dim
         self.training = training
-        self.versions = tuple(a._version if isinstance(a, Tensor) else None for a in args)
+        self.versions = [a._version if isinstance(a, Tensor) else None for a in args]
 
     @property
     def has_grads(self) -> bool:
@@ -145,7 +145,7 @@ class HookState:
                     return
             if self.consumed:
                 self.clear()
-            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
             call = Call(args, kwargs, len(leaves), batch_dim, module.training)
             for grads, leaf in zip(call.grads, leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:

@@ -36,13 +36,32 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
     column, row = grads.transpose(1, 2), acts  # [B, p, 1], [B, 1, d]
     if accumulate:
         out.addcmul_(column, row, value=scale)
-        return
+    else:
+        write_outer_products(out, column, row, scale)
+
+
+def write_outer_products(out: Tensor, column: Tensor, row: Tensor, scale: float) -> None:
+    """``out = scale * column * row`` for ``column [B, p, 1]``, ``row [B, 1, d]``; the scale
+    goes on the smaller operand."""
     if scale != 1:
         if column.shape[1] <= row.shape[2]:
             column = column * scale
         else:
             row = row * scale
     torch.mul(column, row, out=out)
+
+
+def write_one_position(weight: Tensor | None, bias: Tensor | None, grads: Tensor, acts: Tensor,
+                       scale: float) -> None:
+    """Per-sample gradients of one call on a ``[B, d]`` input (``grads [B, p]``), written into
+    ``weight [B, p, d]`` and ``bias [B, p]`` (either may be None) with the fewest ops."""
+    if weight is not None:
+        write_outer_products(weight, grads.unsqueeze(2), acts.unsqueeze(1), scale)
+    if bias is not None:
+        if scale != 1:
+            torch.mul(grads, scale, out=bias)
+        else:
+            bias.copy_(grads)
 
 
 def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
@@ -66,6 +85,9 @@ class LinearRule(Rule):
     def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
         weight, bias = out.get("weight"), out.get("bias")
+        if len(calls) == 1 and calls[0].backprop().dim() == 2:  # the common case, fewest ops
+            write_one_position(weight, bias, calls[0].backprop(), calls[0].activation(), scale)
+            return
         for i, call in enumerate(calls):
             grads = flatten_positions(call.backprop())
             if weight is not None:
