@@ -9,7 +9,8 @@ Timing::
 Each method is a zero-argument callable doing one full training-step variant. All methods run
 in the same process and are interleaved (round-robin: plain, hooks, plain, hooks, ...), so slow
 drifts of the machine (other processes, frequency scaling) hit every method alike. Reported:
-median and inter-quartile range in milliseconds, ratio of medians to a baseline.
+median and inter-quartile range in milliseconds, and the ratio to a baseline as the median over
+rounds of the per-round ratio (robust to load that changes between rounds).
 
 Memory::
 
@@ -43,9 +44,10 @@ Method = Callable[[], object]
 
 @dataclass
 class Timing:
-    """Per-call times of one method, in milliseconds."""
+    """Per-call times of one method, in milliseconds, with the round each was taken in."""
     name: str
     samples: list[float]
+    rounds: list[int]
 
     @property
     def median(self) -> float:
@@ -58,6 +60,16 @@ class Timing:
             return self.median, self.median
         q = statistics.quantiles(self.samples, n=4, method="inclusive")
         return q[0], q[2]
+
+    def ratio_to(self, baseline: Timing) -> float:
+        """Median over rounds of this method's time over the baseline's in the same round.
+
+        Paired by round, so that load from other processes, which drifts slowly, cancels;
+        the ratio of the two medians where the methods share no round.
+        """
+        base = dict(zip(baseline.rounds, baseline.samples))
+        paired = [t / base[r] for r, t in zip(self.rounds, self.samples) if r in base]
+        return statistics.median(paired) if paired else self.median / baseline.median
 
 
 def _time_once(method: Method, repeat: int) -> float:
@@ -89,6 +101,7 @@ def compare(methods: Mapping[str, Method], *, rounds: int = 30, warmup: int = 3,
         if min_sample_ms:
             repeats[name] = max(repeats[name], round(min_sample_ms / max(last_ms, 1e-3)))
     samples: dict[str, list[float]] = {n: [] for n in methods}
+    taken_in: dict[str, list[int]] = {n: [] for n in methods}
     start = time.perf_counter()
     gc_was_enabled = gc.isenabled()
     gc.collect()
@@ -98,20 +111,22 @@ def compare(methods: Mapping[str, Method], *, rounds: int = 30, warmup: int = 3,
             for name, method in methods.items():
                 if r % every.get(name, 1) == 0:
                     samples[name].append(_time_once(method, repeats[name]))
+                    taken_in[name].append(r)
             if budget_s is not None and r >= 4 and time.perf_counter() - start > budget_s:
                 break
             gc.collect()
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {n: Timing(n, s) for n, s in samples.items()}
+    return {n: Timing(n, s, taken_in[n]) for n, s in samples.items()}
 
 
 def format_table(results: Mapping[str, Timing], baseline: str, title: str = "",
                  extra: Mapping[str, str] | None = None) -> str:
-    """A plain-text table: method, median ms, IQR, n, ratio to ``baseline`` (and an extra
-    column, e.g. memory, given as ``{method: text}``)."""
-    base = results[baseline].median
+    """A plain-text table: method, median ms, IQR, n, ratio to ``baseline`` (paired by round,
+    see :meth:`Timing.ratio_to`), and an extra column (e.g. memory) given as
+    ``{"__header__": title, method: text}``."""
+    base = results[baseline]
     header = f"{'method':<22} {'median ms':>10} {'IQR ms':>17} {'n':>4} {'x ' + baseline:>12}"
     if extra is not None:
         header += "  " + extra.get("__header__", "")
@@ -120,7 +135,7 @@ def format_table(results: Mapping[str, Timing], baseline: str, title: str = "",
     for name, t in results.items():
         q1, q3 = t.iqr
         line = (f"{name:<22} {t.median:>10.3f} {f'{q1:.3f}-{q3:.3f}':>17} {len(t.samples):>4} "
-                f"{t.median / base:>12.2f}")
+                f"{t.ratio_to(base):>12.2f}")
         if extra is not None and name in extra:
             line += "  " + extra[name]
         lines.append(line)

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results, "plain", f"{title}", extra)
         for goal, (model, method, reference, limit) in GOALS.items():
             if model in (None, name):
-                ratio = results[method].median / results[reference].median
+                ratio = results[method].ratio_to(results[reference])
                 verdict = "ok" if ratio <= limit else "MISSED"
                 print(f"  goal {goal}: {ratio:.2f}x {verdict}")
                 if ratio > limit:
