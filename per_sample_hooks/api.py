@@ -165,11 +165,11 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     for layer in step.layers:
         out = {}
         for name, p, buf in _parameter_buffers(state, layer, step.batch_size):
-            out[name] = buf
-            p.grad1 = buf
-        for p in layer.module._parameters.values():
-            if p is not None and not p.requires_grad and hasattr(p, "grad1"):
-                del p.grad1
+            out[name] = p.grad1 = buf
+        if len(out) < len(layer.module._parameters):  # frozen since the last step: no grad1
+            for p in layer.module._parameters.values():
+                if p is not None and not p.requires_grad and hasattr(p, "grad1"):
+                    del p.grad1
         if not out:
             continue
         if layer.calls:

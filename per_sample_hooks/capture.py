@@ -36,7 +36,7 @@ class Call:
         self.grads: list[list[Tensor]] = [[] for _ in range(n_outputs)]
         self.batch_dim = batch_dim
         self.training = training
-        self.versions = tuple(a._version if isinstance(a, Tensor) else None for a in args)
+        self.versions = [a._version if isinstance(a, Tensor) else None for a in args]
 
     @property
     def has_grads(self) -> bool:
@@ -79,6 +79,28 @@ class Call:
                 if v is not None and a._version != v]
 
 
+def capture_gradient(leaf: Tensor, sink: list[Tensor]) -> None:
+    """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass).
+
+    A pre-hook on the autograd node that produced ``leaf``, at ``leaf``'s output slot: what
+    ``leaf.register_hook`` does, at a third of its cost. Like a tensor hook it sees the gradient
+    of the value the module returned, even when an in-place op (``ReLU(inplace=True)``) later
+    changes ``leaf``.
+    """
+    node = leaf.grad_fn
+    if node is None:  # a leaf tensor returned as is
+        leaf.register_hook(sink.append)
+        return
+    slot = leaf.output_nr
+
+    def pre_hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        grad = grad_outputs[slot]
+        if grad is not None:
+            sink.append(grad)
+
+    node.register_prehook(pre_hook)
+
+
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
@@ -114,18 +136,20 @@ class HookState:
             if not self.enabled or not torch.is_grad_enabled():
                 return
             if isinstance(output, Tensor):
-                leaves = [output]
+                if not output.requires_grad:
+                    return
+                leaves = (output,)
             else:
-                leaves = [t for t in tree_flatten(output)[0]]
-            if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
-                return
+                leaves = tree_flatten(output)[0]
+                if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
+                    return
             if self.consumed:
                 self.clear()
-            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
             call = Call(args, kwargs, len(leaves), batch_dim, module.training)
             for grads, leaf in zip(call.grads, leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    leaf.register_hook(grads.append)
+                    capture_gradient(leaf, grads)
             calls.append(call)
         return forward_hook
 
@@ -169,7 +193,7 @@ class HookState:
                 or buf.dtype != param.dtype or buf.device != param.device):
             buf = torch.empty((batch_size, *param.shape), dtype=param.dtype, device=param.device)
             self.buffers[key] = buf
-        return buf[:batch_size]
+        return buf if buf.shape[0] == batch_size else buf[:batch_size]
 
     def hooked_calls(self) -> Iterator[tuple[nn.Module, str, list[Call]]]:
         for module, (name, _) in self.modules.items():

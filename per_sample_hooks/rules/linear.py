@@ -16,6 +16,8 @@ from .base import Rule, register_rule
 
 def flatten_positions(t: Tensor) -> Tensor:
     """``[B, *, f] -> [B, T, f]`` with ``T`` the product of the middle dims (a view if possible)."""
+    if t.dim() == 2:
+        return t.unsqueeze(1)
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
@@ -31,10 +33,16 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
         torch.baddbmm(out, grads.transpose(1, 2), acts, beta=1 if accumulate else 0, alpha=scale,
                       out=out)
         return
-    column, row = grads[:, 0, :, None], acts[:, 0, None, :]
+    column, row = grads.transpose(1, 2), acts  # [B, p, 1], [B, 1, d]
     if accumulate:
         out.addcmul_(column, row, value=scale)
-        return
+    else:
+        write_outer_products(out, column, row, scale)
+
+
+def write_outer_products(out: Tensor, column: Tensor, row: Tensor, scale: float) -> None:
+    """``out = scale * column * row`` for ``column [B, p, 1]``, ``row [B, 1, d]``; the scale
+    goes on the smaller operand."""
     if scale != 1:
         if column.shape[1] <= row.shape[2]:
             column = column * scale
@@ -43,18 +51,33 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
     torch.mul(column, row, out=out)
 
 
+def write_one_position(weight: Tensor | None, bias: Tensor | None, grads: Tensor, acts: Tensor,
+                       scale: float) -> None:
+    """Per-sample gradients of one call on a ``[B, d]`` input (``grads [B, p]``), written into
+    ``weight [B, p, d]`` and ``bias [B, p]`` (either may be None) with the fewest ops."""
+    if weight is not None:
+        write_outer_products(weight, grads.unsqueeze(2), acts.unsqueeze(1), scale)
+    if bias is not None:
+        if scale != 1:
+            torch.mul(grads, scale, out=bias)
+        else:
+            bias.copy_(grads)
+
+
 def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
     """``out[b] (+)= scale * grads[b].sum(positions)`` for ``grads [B, T, p]``."""
     if grads.shape[1] == 1:
-        summed = grads[:, 0]
+        summed = grads.squeeze(1)
     elif accumulate:
         summed = grads.sum(1)
     else:
         summed = torch.sum(grads, 1, out=out)
     if accumulate:
         out.add_(summed, alpha=scale)
-    elif summed is not out or scale != 1:
+    elif scale != 1:
         torch.mul(summed, scale, out=out)
+    elif summed is not out:
+        out.copy_(summed)
 
 
 @register_rule(nn.Linear)
@@ -62,6 +85,9 @@ class LinearRule(Rule):
     def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
         weight, bias = out.get("weight"), out.get("bias")
+        if len(calls) == 1 and calls[0].backprop().dim() == 2:  # the common case, fewest ops
+            write_one_position(weight, bias, calls[0].backprop(), calls[0].activation(), scale)
+            return
         for i, call in enumerate(calls):
             grads = flatten_positions(call.backprop())
             if weight is not None:

@@ -1,0 +1,383 @@
+"""The public verbs: hook life cycle, capture switches, the open registry, persistent buffers,
+and a clear error for each bad use."""
+import pytest
+import torch
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, loop_grads, sum_of_outputs
+from per_sample_hooks.capture import STATE_ATTRIBUTE
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 3))
+
+
+def step(model: nn.Module, x: torch.Tensor, loss_type: str = "mean") -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    losses = out.sum(1)
+    (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+    return out
+
+
+def hook_counts(model: nn.Module) -> list[tuple[int, int, int, int]]:
+    return [(len(m._forward_hooks), len(m._forward_hooks_with_kwargs), len(m._forward_pre_hooks),
+             len(m._backward_hooks)) for m in model.modules()]
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Everything hooks could leave behind on a model."""
+    return {
+        "hooks": hook_counts(model),
+        "module attributes": [sorted(vars(m)) for m in model.modules()],
+        "parameter attributes": [sorted(vars(p)) for p in model.parameters()],
+    }
+
+
+# ----------------------------------------------------------------------------- life cycle
+
+def test_add_hooks_twice_changes_nothing():
+    model = mlp()
+    first = psh.add_hooks(model)
+    counts = hook_counts(model)
+    assert psh.add_hooks(model) is first
+    assert hook_counts(model) == counts
+    step(model, torch.randn(6, 5))
+    psh.compute_grad1(model)
+    assert model[0].weight.grad1.shape == (6, 4, 5)
+    psh.remove_hooks(model)
+
+
+def test_remove_hooks_leaves_the_model_exactly_as_before():
+    model = mlp()
+    before = snapshot(model)
+    psh.add_hooks(model)
+    assert hook_counts(model) != before["hooks"]
+    step(model, torch.randn(6, 5))
+    psh.compute_grad1(model)
+    psh.remove_hooks(model)
+    assert snapshot(model) == before
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+    assert STATE_ATTRIBUTE not in vars(model)
+    psh.remove_hooks(model)  # a second removal, or one on a model never hooked, is a no-op
+    psh.remove_hooks(mlp())
+    # and the model can be hooked again
+    assert_matches_loop(model, [torch.randn(4, 5)])
+
+
+def test_context_manager_removes_hooks():
+    model = mlp()
+    before = snapshot(model)
+    with psh.add_hooks(model) as state:
+        assert isinstance(state, psh.HookState)
+        step(model, torch.randn(3, 5))
+        psh.compute_grad1(model)
+        assert model[2].bias.grad1.shape == (3, 3)
+    assert snapshot(model) == before
+
+
+def test_context_manager_removes_hooks_on_error():
+    model = mlp()
+    before = snapshot(model)
+    with pytest.raises(KeyError), psh.add_hooks(model):
+        raise KeyError("boom")
+    assert snapshot(model) == before
+
+
+def test_hooks_change_neither_outputs_nor_grad():
+    plain, hooked = mlp(), mlp()
+    x = torch.randn(7, 5)
+    psh.add_hooks(hooked)
+    out_plain, out_hooked = step(plain, x), step(hooked, x)
+    assert torch.equal(out_plain, out_hooked)
+    for p, q in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    psh.compute_grad1(hooked)
+    for p, q in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    psh.remove_hooks(hooked)
+
+
+# ----------------------------------------------------------------------------- switches
+
+NOTHING_CAPTURED = "no output gradient was captured"
+
+
+def test_disable_and_enable_one_model():
+    model, other = mlp(), mlp(1)
+    psh.add_hooks(model)
+    psh.add_hooks(other)
+    try:
+        psh.disable_hooks(model)
+        step(model, torch.randn(4, 5))
+        step(other, torch.randn(4, 5))
+        with pytest.raises(psh.PerSampleHooksError, match=NOTHING_CAPTURED):
+            psh.compute_grad1(model)
+        psh.compute_grad1(other)  # the other model kept capturing
+        psh.enable_hooks(model)
+        step(model, torch.randn(4, 5))
+        psh.compute_grad1(model)
+        assert model[0].weight.grad1.shape == (4, 4, 5)
+    finally:
+        psh.remove_hooks(model)
+        psh.remove_hooks(other)
+
+
+def test_disable_and_enable_all_models():
+    models = [mlp(0), mlp(1)]
+    for m in models:
+        psh.add_hooks(m)
+    try:
+        psh.disable_hooks()
+        for m in models:
+            step(m, torch.randn(4, 5))
+            with pytest.raises(psh.PerSampleHooksError, match=NOTHING_CAPTURED):
+                psh.compute_grad1(m)
+        psh.enable_hooks()
+        for m in models:
+            step(m, torch.randn(4, 5))
+            psh.compute_grad1(m)
+    finally:
+        psh.enable_hooks()
+        for m in models:
+            psh.remove_hooks(m)
+
+
+def test_clear_backprops_forgets_the_step():
+    model = mlp()
+    psh.add_hooks(model)
+    step(model, torch.randn(4, 5))
+    psh.clear_backprops(model)
+    with pytest.raises(psh.PerSampleHooksError, match=NOTHING_CAPTURED):
+        psh.compute_grad1(model)
+    # a forward without compute_* in between would otherwise mix two batches
+    step(model, torch.randn(4, 5))
+    psh.clear_backprops(model)
+    x = torch.randn(4, 5)
+    step(model, x)
+    psh.compute_grad1(model)
+    expected = loop_grads(model, [x], lambda out: out.sum(1), 4)
+    torch.testing.assert_close(model[0].weight.grad1, expected["0.weight"])
+    psh.remove_hooks(model)
+
+
+def test_no_grad_forward_is_not_captured():
+    model = mlp()
+    psh.add_hooks(model)
+    with torch.no_grad():
+        model(torch.randn(9, 5))
+    x = torch.randn(4, 5)
+    step(model, x)
+    psh.compute_grad1(model)
+    assert model[0].weight.grad1.shape[0] == 4
+    psh.remove_hooks(model)
+
+
+def test_is_supported():
+    assert psh.is_supported(nn.Linear(2, 3))
+    assert psh.is_supported(nn.Linear(2, 3, bias=False))
+    assert not psh.is_supported(nn.Bilinear(2, 2, 3))
+    assert not psh.is_supported(nn.ReLU())  # no parameters: nothing to compute
+
+
+# ----------------------------------------------------------------------------- registry
+
+class Affine(nn.Module):
+    """``y = x * scale + shift`` over the last dim: a layer the library does not know."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+@psh.register_rule(Affine)
+class AffineRule(psh.Rule):
+    """The README's worked example: per-sample gradients of Affine."""
+
+    def grad1(self, module, calls, scale, out):
+        for i, call in enumerate(calls):
+            x, g = call.activation(), call.backprop()      # [B, ..., d], batch first
+            x, g = x.reshape(len(x), -1, x.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
+            parts = {"scale": (g * x).sum(1), "shift": g.sum(1)}
+            for name, buf in out.items():                  # only trainable parameters
+                if i == 0:
+                    torch.mul(parts[name], scale, out=buf)  # the first call writes
+                else:
+                    buf.add_(parts[name], alpha=scale)       # later calls accumulate
+
+
+class UsesAffineTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.affine = Affine(4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.affine(torch.tanh(self.lin(self.affine(x))))
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("shape", [(6, 4), (5, 3, 4)])
+def test_register_rule_worked_example(loss_type, shape):
+    torch.manual_seed(0)
+    assert psh.is_supported(Affine(3))
+    assert_matches_loop(UsesAffineTwice(), [torch.randn(*shape)], loss_type=loss_type)
+
+
+def test_register_rule_frozen_parameter():
+    torch.manual_seed(0)
+    model = UsesAffineTwice()
+    model.affine.shift.requires_grad_(False)
+    assert_matches_loop(model, [torch.randn(5, 4)])
+
+
+def test_register_rule_rejects_non_modules_and_non_rules():
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        psh.register_rule(int)(AffineRule)
+    with pytest.raises(TypeError, match="Rule instance or subclass"):
+        psh.register_rule(Affine)(object)
+
+
+def test_private_registry_leaves_the_default_alone():
+    class Doubler(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    registry = psh.RuleRegistry()
+    psh.register_rule(Doubler, registry)(AffineRule)
+    assert psh.is_supported(Doubler(2, 2), registry)
+    assert not psh.is_supported(Doubler(2, 2))  # overrides forward: Linear's rule does not apply
+
+
+# ----------------------------------------------------------------------------- buffers
+
+def test_buffers_persist_across_steps_and_serve_a_smaller_last_batch():
+    model = mlp().double()
+    psh.add_hooks(model)
+    pointers = None
+    for batch in (8, 8, 5):
+        x = torch.randn(batch, 5, dtype=torch.float64)
+        step(model, x, "sum")
+        psh.compute_grad1(model, loss_type="sum")
+        now = [p.grad1.data_ptr() for p in model.parameters()]
+        assert pointers is None or now == pointers
+        pointers = now
+        psh.disable_hooks(model)  # the per-sample loop must not be captured
+        expected = loop_grads(model, [x], sum_of_outputs, batch)
+        psh.enable_hooks(model)
+        for name, p in model.named_parameters():
+            assert p.grad1.shape == (batch, *p.shape)
+            torch.testing.assert_close(p.grad1, expected[name], rtol=1e-9, atol=1e-10)
+    psh.remove_hooks(model)
+
+
+def test_new_step_starts_by_itself_after_compute():
+    model = mlp().double()
+    psh.add_hooks(model)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(3 + seed, 5, dtype=torch.float64)
+        step(model, x)
+        psh.compute_grad1(model)
+        torch.testing.assert_close(model[2].weight.grad1.mean(0), model[2].weight.grad)
+    psh.remove_hooks(model)
+
+
+# ----------------------------------------------------------------------------- bad use
+
+def test_error_compute_before_backward():
+    model = mlp()
+    psh.add_hooks(model)
+    with pytest.raises(psh.PerSampleHooksError) as before_forward:
+        psh.compute_grad1(model)
+    model(torch.randn(3, 5))
+    with pytest.raises(psh.PerSampleHooksError) as before_backward:
+        psh.compute_grad1(model)
+    for error in (before_forward, before_backward):
+        message = str(error.value)
+        assert "compute_grad1" in message and NOTHING_CAPTURED in message
+        assert "loss.backward()" in message
+    psh.remove_hooks(model)
+
+
+def test_error_compute_without_hooks():
+    with pytest.raises(psh.PerSampleHooksError, match=r"Sequential has no per_sample_hooks: call "
+                       r"per_sample_hooks.add_hooks\(model\)"):
+        psh.compute_grad1(mlp())
+
+
+def test_error_unsupported_module_names_path_type_and_register_rule():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), nn.Bilinear(3, 3, 2)))
+    with pytest.raises(psh.UnsupportedModuleError) as error:
+        psh.add_hooks(model)
+    message = str(error.value)
+    assert "'1.1'" in message and "Bilinear" in message
+    assert "register_rule(Bilinear)" in message
+    assert "weight, bias" in message and "freeze" in message
+    assert STATE_ATTRIBUTE not in vars(model)  # nothing half-installed
+    assert hook_counts(model) == [(0, 0, 0, 0)] * len(list(model.modules()))
+    # frozen, it is no longer a problem
+    model[1][1].requires_grad_(False)
+    with psh.add_hooks(model):
+        pass
+
+
+def test_error_mismatched_batch_sizes():
+    model = mlp()
+    psh.add_hooks(model)
+    out_a, out_b = model(torch.randn(8, 5)), model(torch.randn(5, 5))  # no clear in between
+    (out_a.sum() + out_b.sum()).backward()
+    with pytest.raises(psh.PerSampleHooksError) as error:
+        psh.compute_grad1(model)
+    message = str(error.value)
+    assert "disagree on the batch size" in message
+    assert "8 (at '0')" in message and "5 (at '0')" in message
+    assert "clear_backprops(model)" in message and "batch_dim" in message
+    psh.remove_hooks(model)
+
+
+def test_error_input_modified_in_place_after_forward():
+    model = mlp()
+    psh.add_hooks(model)
+    x = torch.randn(4, 5)
+    step(model, x)
+    x.mul_(2)  # e.g. the data buffer reused for the next batch before compute_grad1
+    with pytest.raises(psh.PerSampleHooksError) as error:
+        psh.compute_grad1(model)
+    message = str(error.value)
+    assert "input of '0' (Linear)" in message and "modified in place" in message
+    assert "clone" in message
+    psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("loss_type", ["avg", "Mean", None])
+def test_error_bad_loss_type(loss_type):
+    model = mlp()
+    psh.add_hooks(model)
+    step(model, torch.randn(3, 5))
+    with pytest.raises(ValueError, match=r"compute_grad1: loss_type must be 'mean' or 'sum', got "
+                       + repr(loss_type)):
+        psh.compute_grad1(model, loss_type=loss_type)
+    psh.remove_hooks(model)
+
+
+def test_errors_leave_the_model_usable():
+    model = mlp().double()
+    psh.add_hooks(model)
+    step(model, torch.randn(3, 5, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        psh.compute_grad1(model, loss_type="avg")
+    x = torch.randn(3, 5, dtype=torch.float64)
+    psh.clear_backprops(model)
+    step(model, x, "sum")
+    psh.compute_grad1(model, loss_type="sum")
+    expected = loop_grads(model, [x], sum_of_outputs, 3)
+    torch.testing.assert_close(model[0].weight.grad1, expected["0.weight"])
+    psh.remove_hooks(model)
+
