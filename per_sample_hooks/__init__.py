@@ -11,6 +11,7 @@ from .api import (
 )
 from .capture import Call, HookState
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
 
 __version__ = "0.1.0"
@@ -20,3 +21,4 @@ __all__ = [
     "clear_backprops", "compute_grad1", "per_sample_parameters", "register_rule", "Rule",
     "RuleRegistry", "Call", "HookState", "PerSampleHooksError", "UnsupportedModuleError",
 ]
+__all__ += ["compute_norms", "clip_grads"]

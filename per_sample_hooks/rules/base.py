@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import torch
 from torch import Tensor, nn
 
 from ..capture import Call
@@ -34,6 +35,42 @@ class Rule:
         are undefined on entry and must be fully overwritten. ``scale`` multiplies every result.
         """
         raise NotImplementedError
+
+    def norms_squared(self, module: nn.Module, calls: Sequence[Call], scale: float,
+                      names: Sequence[str]) -> dict[str, Tensor]:
+        """``{name: [B]}``: squared L2 norm of each sample's gradient of each parameter in
+        ``names``, i.e. of exactly what :meth:`grad1` writes (``scale`` included, so squared).
+
+        Default: materialize one parameter at a time into a temporary, reduce, free it.
+        """
+        result = {}
+        for name in names:
+            param = module._parameters[name]
+            per_sample = param.new_empty((calls[0].batch_size, *param.shape))
+            self.grad1(module, calls, scale, {name: per_sample})
+            result[name] = torch.linalg.vector_norm(per_sample.reshape(len(per_sample), -1),
+                                                    dim=1).square_()
+            del per_sample
+        return result
+
+    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
+                     out: dict[str, Tensor]) -> None:
+        """Write ``sum_b weights[b] * grad1_b`` into ``out[name]`` (shape ``param.shape``).
+
+        ``grad1_b`` is the per-sample gradient *as captured*, i.e. :meth:`grad1` with
+        ``scale=1``: for a mean loss it carries the loss's ``1/B``, so the caller folds any loss
+        scale into ``weights`` (clipping a mean loss passes the clipping coefficients as they
+        are and gets ``(1/B) sum_b c_b g_b``). ``out`` is fully overwritten.
+
+        Default: materialize one parameter at a time into a temporary, contract, free it.
+        """
+        for name, target in out.items():
+            param = module._parameters[name]
+            per_sample = param.new_empty((len(weights), *param.shape))
+            self.grad1(module, calls, 1.0, {name: per_sample})
+            summed = weights.to(per_sample.dtype) @ per_sample.reshape(len(weights), -1)
+            target.copy_(summed.view(target.shape))
+            del per_sample
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls

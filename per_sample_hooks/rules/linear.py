@@ -12,6 +12,13 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from .base import Rule, register_rule
+from .ghost import (
+    bias_norms_squared,
+    concat_positions,
+    weight_norms_squared,
+    weighted_bias_sum,
+    weighted_weight_sum,
+)
 
 
 def flatten_positions(t: Tensor) -> Tensor:
@@ -69,3 +76,28 @@ class LinearRule(Rule):
                 add_outer_products(weight, grads, acts, scale, i > 0)
             if bias is not None:
                 add_position_sums(bias, grads, scale, i > 0)
+
+    def norms_squared(self, module: nn.Linear, calls: Sequence[Call], scale: float,
+                      names: Sequence[str]) -> dict[str, Tensor]:
+        """Exact squared norms of the summed contribution of all calls (see ``ghost``)."""
+        grads = concat_positions([flatten_positions(c.backprop()).unsqueeze(1) for c in calls])
+        result = {}
+        if "weight" in names:
+            acts = concat_positions(
+                [flatten_positions(c.activation()).unsqueeze(1) for c in calls])
+            result["weight"] = weight_norms_squared(acts, grads).mul_(scale * scale)
+        if "bias" in names:
+            result["bias"] = bias_norms_squared(grads).mul_(scale * scale)
+        return result
+
+    def weighted_sum(self, module: nn.Linear, calls: Sequence[Call], weights: Tensor,
+                     out: dict[str, Tensor]) -> None:
+        """``sum_b weights[b] grad1_b`` (captured scale): one matmul per call."""
+        weight, bias = out.get("weight"), out.get("bias")
+        for i, call in enumerate(calls):
+            grads = flatten_positions(call.backprop()).unsqueeze(1)
+            if weight is not None:
+                acts = flatten_positions(call.activation()).unsqueeze(1)
+                weighted_weight_sum(weight, acts, grads, weights, accumulate=i > 0)
+            if bias is not None:
+                weighted_bias_sum(bias, grads, weights, accumulate=i > 0)

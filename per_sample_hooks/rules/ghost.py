@@ -1,0 +1,137 @@
+"""Per-sample squared norms and weighted sums on the Linear form, without per-sample gradients.
+
+Every function works on ``acts [B, G, T, d]`` and ``grads [B, G, T, p]``: ``B`` samples, ``G``
+independent groups (1 for Linear; conv groups), ``T`` positions, so that a sample's weight
+gradient is the block-diagonal ``{G_bg^T A_bg}_g`` (``[G, p, d]``) and its bias gradient
+``{G_bg.sum(T)}_g`` (``[G, p]``). Several calls of one module are one call whose positions are
+concatenated (:func:`concat_positions`): the summed contribution, cross terms included.
+
+Squared norm of the weight gradient, per sample (cheapest exact method, chosen per layer):
+
+- ``T == 1``: ``|a|^2 |g|^2`` (Goodfellow 2015), O(B (d + p)).
+- ghost norm, ``<A A^T, G G^T>`` (Li et al. 2022), O(B T^2 (d + p)), when ``2 T^2 < p d``.
+- otherwise materialize ``G_b^T A_b`` for a chunk of samples at a time into one reused
+  temporary, reduce, move on (mixed ghost clipping, Bu et al. 2022).
+
+Weighted sums ``sum_b w_b grad_b`` (DP clipping) are one matmul with the weights folded into
+the smaller operand (book-keeping, Bu et al. 2023).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Method = Literal["outer", "ghost", "materialize"]
+
+CHUNK_ELEMENTS = 1 << 20
+"""Largest temporary (in elements) the ghost / materialize paths allocate at once: the batch is
+processed in chunks of samples that fit, so the temporary stays cache-sized and is reused."""
+
+
+def concat_positions(parts: Sequence[Tensor]) -> Tensor:
+    """``[B, G, T_k, f]`` per call -> ``[B, G, sum T_k, f]`` (no copy for a single call)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=2)
+
+
+def choose_method(positions: int, d: int, p: int) -> Method:
+    """The norm method for a weight with ``positions`` positions (all calls together)."""
+    if positions == 1:
+        return "outer"
+    if 2 * positions * positions < p * d:
+        return "ghost"
+    return "materialize"
+
+
+def _chunks(batch: int, per_sample: int) -> list[tuple[int, int]]:
+    step = max(1, min(batch, CHUNK_ELEMENTS // max(per_sample, 1)))
+    return [(start, min(start + step, batch)) for start in range(0, batch, step)]
+
+
+def _sum_of_squares(t: Tensor) -> Tensor:
+    """``[B, ...] -> [B]``."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square_()
+
+
+def _sum_of_squares_last(t: Tensor) -> Tensor:
+    """``[..., f] -> [...]``."""
+    return torch.linalg.vector_norm(t, dim=-1).square_()
+
+
+def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = None) -> Tensor:
+    """``[B]``: squared Frobenius norm of each sample's weight gradient (unscaled)."""
+    batch, groups, positions, d = acts.shape
+    p = grads.shape[-1]
+    method = method or choose_method(positions, d, p)
+    if method == "outer":
+        return (_sum_of_squares_last(acts[:, :, 0]) * _sum_of_squares_last(grads[:, :, 0])).sum(1)
+    result = acts.new_empty(batch)
+    flat_a = acts.reshape(batch * groups, positions, d)
+    flat_g = grads.reshape(batch * groups, positions, p)
+    if method == "ghost":
+        per_sample = groups * positions * positions
+        buffers = None
+        for start, stop in _chunks(batch, 2 * per_sample):
+            rows = slice(start * groups, stop * groups)
+            n = (stop - start) * groups
+            if buffers is None:
+                buffers = (acts.new_empty(n, positions, positions),
+                           acts.new_empty(n, positions, positions))
+            gram_a, gram_g = buffers[0][:n], buffers[1][:n]
+            torch.bmm(flat_a[rows], flat_a[rows].transpose(1, 2), out=gram_a)
+            torch.bmm(flat_g[rows], flat_g[rows].transpose(1, 2), out=gram_g)
+            result[start:stop] = gram_a.mul_(gram_g).reshape(stop - start, -1).sum(1)
+        return result
+    if method != "materialize":
+        raise ValueError(f"unknown norm method {method!r}")
+    buffer = None
+    for start, stop in _chunks(batch, groups * p * d):
+        rows = slice(start * groups, stop * groups)
+        n = (stop - start) * groups
+        if buffer is None:
+            buffer = acts.new_empty(n, p, d)
+        per_sample = buffer[:n]
+        torch.bmm(flat_g[rows].transpose(1, 2), flat_a[rows], out=per_sample)
+        result[start:stop] = _sum_of_squares(per_sample.view(stop - start, -1))
+    return result
+
+
+def bias_norms_squared(grads: Tensor) -> Tensor:
+    """``[B]``: squared norm of each sample's bias gradient ``grads.sum(T)`` (unscaled)."""
+    summed = grads[:, :, 0] if grads.shape[2] == 1 else grads.sum(2)
+    return _sum_of_squares(summed)
+
+
+def weighted_weight_sum(out: Tensor, acts: Tensor, grads: Tensor, weights: Tensor,
+                        accumulate: bool = False) -> None:
+    """``out (+)= sum_b weights[b] G_b^T A_b``, ``out`` viewed as ``[G, p, d]``: one matmul
+    (per group), the weights folded into the smaller of ``acts`` and ``grads``."""
+    batch, groups, positions, d = acts.shape
+    p = grads.shape[-1]
+    w = weights.to(acts.dtype).view(-1, 1, 1, 1)
+    if p <= d:
+        grads = grads * w
+    else:
+        acts = acts * w
+    target = out.view(groups, p, d)
+    if groups == 1:
+        torch.addmm(target[0], grads.reshape(-1, p).t(), acts.reshape(-1, d),
+                    beta=1 if accumulate else 0, out=target[0])
+        return
+    summed = torch.einsum("bgtp,bgtd->gpd", grads, acts)
+    if accumulate:
+        target.add_(summed)
+    else:
+        target.copy_(summed)
+
+
+def weighted_bias_sum(out: Tensor, grads: Tensor, weights: Tensor,
+                      accumulate: bool = False) -> None:
+    """``out (+)= sum_b weights[b] grads[b].sum(T)``, ``out`` viewed as ``[G * p]``."""
+    batch = grads.shape[0]
+    summed = grads[:, :, 0] if grads.shape[2] == 1 else grads.sum(2)
+    target = out.view(-1)
+    torch.addmv(target, summed.reshape(batch, -1).t(), weights.to(grads.dtype),
+                beta=1 if accumulate else 0, out=target)
