@@ -118,6 +118,15 @@ def _check_max_norm(max_norm: float, caller: str) -> None:
 def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
     """Every parameter that backward gave a gradient must be one we can clip."""
     covered = {id(p) for layer in step.layers for p in layer.parameters.values()}
+    for layer in step.layers:
+        for local, p in layer.parameters.items():
+            if not layer.calls and p.grad is not None and bool(p.grad.any()):
+                raise PerSampleHooksError(
+                    f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero gradient "
+                    "but its module's output did not reach the loss in this step: either the "
+                    "parameter is used outside its module's forward (its per-sample gradients "
+                    "cannot be seen), or its .grad is left over from an earlier step (call "
+                    "optimizer.zero_grad() before the forward)")
     for name, p in model.named_parameters():
         if p.requires_grad and p.grad is not None and id(p) not in covered:
             raise PerSampleHooksError(

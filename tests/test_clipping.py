@@ -1,0 +1,144 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from norms_truth import assert_clipping_matches, hooked_backward
+from torch import nn
+
+import per_sample_hooks as psh
+from per_sample_hooks.rules import ghost
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 5), t=st.sampled_from([1, 2, 5]), d=st.integers(1, 6),
+       p=st.integers(1, 6), bias=st.booleans(), loss_type=st.sampled_from(["mean", "sum"]),
+       max_norm=st.sampled_from([1e-3, 0.5, 1e6]))
+def test_linear_clipped_sum(batch, t, d, p, bias, loss_type, max_norm):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, p, bias=bias), nn.Tanh(), nn.Linear(p, 2, bias=bias))
+    leading = (t,) if t > 1 else ()
+    assert_clipping_matches(model, [torch.randn(batch, *leading, d)], max_norm,
+                            loss_type=loss_type)
+
+
+def test_clipping_is_active():
+    """Guard: with a small max_norm the result differs from the unclipped gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    hooked_backward(model, [x])
+    plain = [p.grad.clone() for p in model.parameters()]
+    norms = psh.clip_grads(model, 0.1)
+    psh.remove_hooks(model)
+    assert (norms > 0.1).all()
+    total = torch.cat([g.flatten() for g in plain]).norm()
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert clipped <= 0.1 + 1e-12 < total
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("shape", [(6, 4), (6, 3, 4)])
+def test_reuse(loss_type, shape):
+    from test_norms import Reused
+    torch.manual_seed(0)
+    assert_clipping_matches(Reused(), [torch.randn(*shape)], 0.3, loss_type=loss_type)
+
+
+def test_frozen_parameters_keep_no_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    assert_clipping_matches(model, [torch.randn(7, 5)], 0.2)
+
+
+def test_default_rule_weighted_sum_matches_linear_fast_path():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(5, 2, 4, dtype=torch.double)
+    hooked_backward(model, [x])
+    state = psh.add_hooks(model)
+    rule, calls = state.rules[model], state.calls[model]
+    weights = torch.rand(5, dtype=torch.double)
+    fast = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
+    slow = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
+    rule.weighted_sum(model, calls, weights, fast)
+    psh.Rule.weighted_sum(rule, model, calls, weights, slow)
+    norms_fast = rule.norms_squared(model, calls, 5.0, ["weight", "bias"])
+    norms_slow = psh.Rule.norms_squared(rule, model, calls, 5.0, ["weight", "bias"])
+    psh.remove_hooks(model)
+    for n in fast:
+        torch.testing.assert_close(fast[n], slow[n], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(norms_fast[n], norms_slow[n], rtol=1e-10, atol=1e-12)
+
+
+def test_materialize_path_with_small_chunks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3))
+    assert ghost.choose_method(6, 2, 2) == "materialize"
+    old = ghost.CHUNK_ELEMENTS
+    ghost.CHUNK_ELEMENTS = 3
+    try:
+        assert_clipping_matches(model, [torch.randn(5, 6, 2)], 0.05)
+    finally:
+        ghost.CHUNK_ELEMENTS = old
+
+
+def test_zeroed_grad_of_unreached_module_stays_zero():
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+    psh.add_hooks(model)
+    model["unused"].weight.grad = torch.zeros(2, 3)
+    model["unused"](torch.randn(4, 3))
+    model["used"](torch.randn(4, 3)).sum().backward()
+    psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+    assert torch.equal(model["unused"].weight.grad, torch.zeros(2, 3))
+    assert model["unused"].bias.grad is None
+
+
+def test_without_backward_raises():
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3))
+    with pytest.raises(psh.PerSampleHooksError, match="backward"):
+        psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("max_norm", [0, -1.0, float("nan"), float("inf"), "1", None, True])
+def test_bad_max_norm(max_norm):
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(ValueError, match="max_norm"):
+        psh.clip_grads(model, max_norm)
+    psh.remove_hooks(model)
+
+
+def test_non_finite_norms_name_the_samples_and_leave_grads():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    psh.add_hooks(model)
+    x = torch.randn(6, 3)
+    x[1, 0], x[4, 2] = float("nan"), float("inf")
+    model(x).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match=r"2 sample\(s\) \(indices 1, 4\)"):
+        psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+
+
+def test_parameter_outside_hooked_modules_is_refused():
+    class Extra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.lin2 = nn.Linear(2, 2)
+
+        def forward(self, x):  # lin2's weight is used outside lin2's forward
+            return self.lin(x) @ self.lin2.weight
+
+    model = Extra()
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="'weight' of 'lin2'.*outside"):
+        psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
