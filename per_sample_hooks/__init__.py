@@ -10,6 +10,7 @@ from .api import (
     remove_hooks,
 )
 from .capture import Call, HookState
+from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
@@ -21,4 +22,4 @@ __all__ = [
     "clear_backprops", "compute_grad1", "per_sample_parameters", "register_rule", "Rule",
     "RuleRegistry", "Call", "HookState", "PerSampleHooksError", "UnsupportedModuleError",
 ]
-__all__ += ["compute_norms", "clip_grads"]
+__all__ += ["compute_norms", "clip_grads", "DPSGD"]
