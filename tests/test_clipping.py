@@ -3,6 +3,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_clipping_matches, hooked_backward
+from test_conv import Reused as ReusedConv
+from test_conv import SeedCNNWithLoss, conv_setups
+from test_norms import CONV_PATHS, Reused
 from torch import nn
 
 import per_sample_hooks as psh
@@ -39,7 +42,6 @@ def test_clipping_is_active():
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("shape", [(6, 4), (6, 3, 4)])
 def test_reuse(loss_type, shape):
-    from test_norms import Reused
     torch.manual_seed(0)
     assert_clipping_matches(Reused(), [torch.randn(*shape)], 0.3, loss_type=loss_type)
 
@@ -142,3 +144,31 @@ def test_parameter_outside_hooked_modules_is_refused():
     with pytest.raises(psh.PerSampleHooksError, match="'weight' of 'lin2'.*outside"):
         psh.clip_grads(model, 1.0)
     psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_conv_each_path(loss_type):
+    for make, shape in CONV_PATHS.values():
+        torch.manual_seed(0)
+        assert_clipping_matches(nn.Sequential(make(), nn.Tanh()), [torch.randn(shape)], 0.05,
+                                loss_type=loss_type)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dims=st.sampled_from([1, 2, 3]), loss_type=st.sampled_from(["mean", "sum"]))
+def test_conv_every_option(data, dims, loss_type):
+    conv, shape = data.draw(conv_setups(dims))
+    torch.manual_seed(0)
+    assert_clipping_matches(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)], 0.1,
+                            loss_type=loss_type)
+
+
+def test_conv_reuse_channels_last_and_seed_001_cnn():
+    torch.manual_seed(0)
+    assert_clipping_matches(ReusedConv(2), [torch.randn(3, 3, 4, 4)], 0.1)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True),
+                          nn.Conv2d(4, 2, 3, stride=2))
+    x = torch.randn(3, 3, 6, 6).double().to(memory_format=torch.channels_last)
+    assert_clipping_matches(model, [x], 0.1)
+    inputs = [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])]
+    assert_clipping_matches(SeedCNNWithLoss(), inputs, 0.5, lambda losses: losses)

@@ -5,10 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_norms_match, hooked_backward
+from test_conv import Reused as ReusedConv
+from test_conv import SeedCNNWithLoss, conv_setups
 from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import sum_of_outputs
+from per_sample_hooks.rules import conv as conv_rule
 from per_sample_hooks.rules import ghost
 
 METHODS = ["outer", "ghost", "materialize"]
@@ -216,3 +219,60 @@ def test_tied_parameters_across_modules_are_refused():
     with pytest.raises(psh.PerSampleHooksError, match="tied"):
         psh.compute_norms(model)
     psh.remove_hooks(model)
+
+
+# ---- convolutions: the Linear paths per group on the unfolded form ----
+
+CONV_PATHS = {  # (conv, input shape) whose single call takes the named path
+    "outer": (lambda: nn.Conv2d(2, 3, 3), (3, 2, 3, 3)),
+    "ghost": (lambda: nn.Conv2d(3, 8, 3, groups=1), (3, 3, 4, 4)),
+    "ghost-groups": (lambda: nn.Conv1d(4, 8, 5, groups=2, padding=1), (3, 4, 4)),
+    "materialize": (lambda: nn.Conv2d(2, 2, 2, stride=1, padding=1, padding_mode="reflect"),
+                    (3, 2, 5, 5)),
+    "materialize-depthwise": (lambda: nn.Conv2d(3, 6, 3, groups=3, dilation=2), (2, 3, 7, 7)),
+}
+
+
+def _conv_method(conv, shape):
+    out = conv(torch.randn(shape))
+    positions = out[0, 0].numel()
+    return ghost.choose_method(positions, conv.weight[0].numel(), conv.out_channels // conv.groups)
+
+
+@pytest.mark.parametrize("path", CONV_PATHS)
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [1, 1 << 20])
+def test_conv_norms_each_path(path, loss_type, chunk):
+    make, shape = CONV_PATHS[path]
+    torch.manual_seed(0)
+    conv = make()
+    assert _conv_method(conv, shape) == path.split("-")[0]
+    old = conv_rule.PATCH_CHUNK_ELEMENTS
+    conv_rule.PATCH_CHUNK_ELEMENTS = chunk
+    try:
+        with chunk_elements(chunk):
+            assert_norms_match(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)],
+                               loss_type=loss_type)
+    finally:
+        conv_rule.PATCH_CHUNK_ELEMENTS = old
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dims=st.sampled_from([1, 2]), loss_type=st.sampled_from(["mean", "sum"]))
+def test_conv_norms_every_option(data, dims, loss_type):
+    conv, shape = data.draw(conv_setups(dims))
+    torch.manual_seed(0)
+    assert_norms_match(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)],
+                       loss_type=loss_type)
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_conv_reuse(loss_type):
+    torch.manual_seed(0)
+    assert_norms_match(ReusedConv(2), [torch.randn(3, 3, 4, 4)], loss_type=loss_type)
+
+
+def test_seed_001_cnn():
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])]
+    assert_norms_match(SeedCNNWithLoss(), inputs, lambda losses: losses)
