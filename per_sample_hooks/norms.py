@@ -14,10 +14,18 @@ import torch
 from torch import Tensor, nn
 
 from .api import LayerWork, LossType, Step, prepare_step
+from .capture import HookState
 from .errors import PerSampleHooksError
+from .rules.base import KeptGrads
 
 CLIP_EPSILON = 1e-6
 """``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
+
+KEEP_FRACTION = 0.25
+"""``clip_grads`` keeps per-sample gradients that a rule materializes for the norms (so that the
+clipped sum is a cheap contraction instead of a second product) up to this fraction of the
+number of elements the hooks captured (activations and output gradients), in persistent
+buffers; beyond it the clipped sum is recomputed by one matmul per layer."""
 
 
 def _parameter_names(model: nn.Module, step: Step, caller: str
@@ -41,22 +49,26 @@ def _parameter_names(model: nn.Module, step: Step, caller: str
     return names
 
 
-def _layer_norms_squared(layer: LayerWork, step: Step) -> dict[str, Tensor]:
+def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
+                         ) -> dict[str, Tensor]:
     if not layer.parameters:
         return {}
     if not layer.calls:  # the module's output did not reach the loss
         p = next(iter(layer.parameters.values()))
         zeros = torch.zeros(step.batch_size, dtype=p.dtype, device=p.device)
         return dict.fromkeys(layer.parameters, zeros)
-    return layer.rule.norms_squared(layer.module, layer.calls, step.scale,
-                                    list(layer.parameters))
+    names = list(layer.parameters)
+    if keep is None:
+        return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names)
+    return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names, keep=keep)
 
 
-def _per_parameter_squared(model: nn.Module, step: Step, caller: str) -> dict[str, Tensor]:
+def _per_parameter_squared(model: nn.Module, step: Step, caller: str,
+                           keep: KeptGrads | None = None) -> dict[str, Tensor]:
     names = _parameter_names(model, step, caller)
     result = {}
     for layer in step.layers:
-        squared = _layer_norms_squared(layer, step)
+        squared = _layer_norms_squared(layer, step, keep)
         for local in layer.parameters:
             result[names[id(layer)][local]] = squared[local]
     return result
@@ -135,6 +147,18 @@ def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
                 "rule (register_rule) before add_hooks")
 
 
+def _kept_grads(state: HookState, step: Step) -> KeptGrads:
+    captured = 0
+    for layer in step.layers:
+        for call in layer.calls:
+            captured += sum(a.numel() for a in call.args if isinstance(a, Tensor))
+            captured += sum(g.numel() for passes in call.grads for g in passes)
+
+    def buffer_for(module: nn.Module, name: str, param: Tensor, batch: int) -> Tensor:
+        return state.buffer(module, f"kept {name}", batch, param)
+    return KeptGrads(int(KEEP_FRACTION * captured), buffer_for)
+
+
 def _grad_target(p: nn.Parameter) -> Tensor:
     g = p.grad
     if g is None or not g.is_contiguous() or g.dtype != p.dtype or g.shape != p.shape:
@@ -153,9 +177,10 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
     from the captured activations and output gradients. Returns the unclipped norms ``[B]``.
     """
     _check_max_norm(max_norm, "clip_grads")
-    _, step = prepare_step(model, loss_type, "clip_grads")
+    state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
-    squared = _per_parameter_squared(model, step, "clip_grads")
+    keep = _kept_grads(state, step)
+    squared = _per_parameter_squared(model, step, "clip_grads", keep)
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
@@ -169,7 +194,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
                     p.grad.zero_()
             continue
         out = {name: _grad_target(p) for name, p in layer.parameters.items()}
-        layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out)
+        layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
     return norms
 
 

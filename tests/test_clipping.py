@@ -1,3 +1,5 @@
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,19 +11,34 @@ from test_norms import CONV_PATHS, Reused
 from torch import nn
 
 import per_sample_hooks as psh
+from per_sample_hooks import norms as norms_module
 from per_sample_hooks.rules import ghost
+
+KEEP_FRACTIONS = [0.0, norms_module.KEEP_FRACTION, 1e9]  # never, default, always
+
+
+@contextmanager
+def keep_fraction(fraction):
+    """clip_grads keeps materialized per-sample gradients up to this fraction of the captures."""
+    old = norms_module.KEEP_FRACTION
+    norms_module.KEEP_FRACTION = fraction
+    try:
+        yield
+    finally:
+        norms_module.KEEP_FRACTION = old
 
 
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 5), t=st.sampled_from([1, 2, 5]), d=st.integers(1, 6),
        p=st.integers(1, 6), bias=st.booleans(), loss_type=st.sampled_from(["mean", "sum"]),
-       max_norm=st.sampled_from([1e-3, 0.5, 1e6]))
-def test_linear_clipped_sum(batch, t, d, p, bias, loss_type, max_norm):
+       max_norm=st.sampled_from([1e-3, 0.5, 1e6]), keep=st.sampled_from(KEEP_FRACTIONS))
+def test_linear_clipped_sum(batch, t, d, p, bias, loss_type, max_norm, keep):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(d, p, bias=bias), nn.Tanh(), nn.Linear(p, 2, bias=bias))
     leading = (t,) if t > 1 else ()
-    assert_clipping_matches(model, [torch.randn(batch, *leading, d)], max_norm,
-                            loss_type=loss_type)
+    with keep_fraction(keep):
+        assert_clipping_matches(model, [torch.randn(batch, *leading, d)], max_norm,
+                                loss_type=loss_type)
 
 
 def test_clipping_is_active():
@@ -41,9 +58,11 @@ def test_clipping_is_active():
 
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("shape", [(6, 4), (6, 3, 4)])
-def test_reuse(loss_type, shape):
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_reuse(loss_type, shape, keep):
     torch.manual_seed(0)
-    assert_clipping_matches(Reused(), [torch.randn(*shape)], 0.3, loss_type=loss_type)
+    with keep_fraction(keep):
+        assert_clipping_matches(Reused(), [torch.randn(*shape)], 0.3, loss_type=loss_type)
 
 
 def test_frozen_parameters_keep_no_grad():
@@ -147,11 +166,13 @@ def test_parameter_outside_hooked_modules_is_refused():
 
 
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
-def test_conv_each_path(loss_type):
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_conv_each_path(loss_type, keep):
     for make, shape in CONV_PATHS.values():
         torch.manual_seed(0)
-        assert_clipping_matches(nn.Sequential(make(), nn.Tanh()), [torch.randn(shape)], 0.05,
-                                loss_type=loss_type)
+        with keep_fraction(keep):
+            assert_clipping_matches(nn.Sequential(make(), nn.Tanh()), [torch.randn(shape)],
+                                    0.05, loss_type=loss_type)
 
 
 @settings(max_examples=25, deadline=None)
@@ -163,12 +184,59 @@ def test_conv_every_option(data, dims, loss_type):
                             loss_type=loss_type)
 
 
-def test_conv_reuse_channels_last_and_seed_001_cnn():
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_conv_reuse(keep):
     torch.manual_seed(0)
-    assert_clipping_matches(ReusedConv(2), [torch.randn(3, 3, 4, 4)], 0.1)
+    with keep_fraction(keep):
+        assert_clipping_matches(ReusedConv(2), [torch.randn(3, 3, 4, 4)], 0.1)
+
+
+def test_conv_channels_last_and_seed_001_cnn():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True),
                           nn.Conv2d(4, 2, 3, stride=2))
     x = torch.randn(3, 3, 6, 6).double().to(memory_format=torch.channels_last)
     assert_clipping_matches(model, [x], 0.1)
     inputs = [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])]
     assert_clipping_matches(SeedCNNWithLoss(), inputs, 0.5, lambda losses: losses)
+
+
+@pytest.mark.parametrize("keep, kept", [(0.0, False), (1e9, True)])
+def test_keeping_materialized_grads_is_used(keep, kept):
+    """Guard that the KEEP_FRACTIONS grids exercise both ways of forming the clipped sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 2))
+    with keep_fraction(keep):
+        state = psh.add_hooks(model)
+        model(torch.randn(4, 2, 4, 4)).sum().backward()
+        psh.clip_grads(model, 0.1)
+        names = {name for _, name in state.buffers}
+        psh.remove_hooks(model)
+    assert ("kept weight" in names) == kept
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class ScaleRule(psh.Rule):
+    """A rule with grad1 only: norms and clipping come from the base-class defaults."""
+
+    def grad1(self, module, calls, scale, out):
+        for i, call in enumerate(calls):
+            g = (call.backprop() * call.activation()).flatten(1, -2).sum(1) * scale
+            out["w"].copy_(g) if i == 0 else out["w"].add_(g)
+
+
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_default_rule_clipping(keep, loss_type):
+    psh.register_rule(Scale)(ScaleRule())
+    torch.manual_seed(0)
+    model = nn.Sequential(Scale(), nn.Linear(3, 2))
+    with keep_fraction(keep):
+        assert_clipping_matches(model, [torch.randn(5, 2, 3)], 0.2, loss_type=loss_type)

@@ -34,7 +34,7 @@ def _shapes_for(method, draw):
         return 1, draw(st.integers(1, 6)), draw(st.integers(1, 6))
     if method == "ghost":
         t = draw(st.integers(2, 3))
-        return t, draw(st.integers(2 * t, 8)), draw(st.integers(2 * t, 8))
+        return t, draw(st.integers(2 * t + 1, 8)), draw(st.integers(2 * t + 1, 8))
     t = draw(st.integers(3, 6))
     return t, draw(st.integers(1, 3)), draw(st.integers(1, 3))
 

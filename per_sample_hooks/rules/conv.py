@@ -30,11 +30,12 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import Rule, register_rule
+from .base import KeptGrads, Rule, contract_samples, register_rule
 from .ghost import (
     bias_norms_squared,
     choose_method,
     concat_positions,
+    sum_of_squares,
     weight_norms_squared,
     weighted_bias_sum,
 )
@@ -171,13 +172,31 @@ class ConvRule(Rule):
                 add_spatial_sums(bias, grad_output, scale, i > 0)
 
     def norms_squared(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
-                      scale: float, names: Sequence[str]) -> dict[str, Tensor]:
-        """Linear norm paths per group on the unfolded form, a chunk of samples at a time."""
+                      scale: float, names: Sequence[str], keep: KeptGrads | None = None
+                      ) -> dict[str, Tensor]:
+        """Linear norm paths per group on the unfolded form, a chunk of samples at a time; the
+        weight's per-sample gradients go into ``keep`` when granted (several positions)."""
+        if "weight" in names and keep is not None:
+            grads = calls[0].backprop()
+            if sum(c.backprop()[0, 0].numel() for c in calls) > 1:
+                kept = keep.reserve(module, "weight", grads.shape[0])
+                if kept is not None:
+                    self.grad1(module, calls, 1.0, {"weight": kept})
+                    result = conv_norms_squared(module, calls, scale,
+                                                [n for n in names if n != "weight"])
+                    result["weight"] = sum_of_squares(kept).mul_(scale * scale)
+                    return result
         return conv_norms_squared(module, calls, scale, names)
 
     def weighted_sum(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
-                     weights: Tensor, out: dict[str, Tensor]) -> None:
-        """One weight-gradient convolution per call with ``weights`` folded into the grads."""
+                     weights: Tensor, out: dict[str, Tensor], keep: KeptGrads | None = None
+                     ) -> None:
+        """From the kept per-sample gradients, else one weight-gradient convolution per call
+        with ``weights`` folded into the output gradients."""
+        kept = keep.get(module, "weight") if keep is not None else None
+        if kept is not None and "weight" in out:
+            contract_samples(out["weight"], kept, weights)
+            out = {n: t for n, t in out.items() if n != "weight"}
         conv_weighted_sum(module, calls, weights, out)
 
 

@@ -9,7 +9,7 @@ concatenated (:func:`concat_positions`): the summed contribution, cross terms in
 Squared norm of the weight gradient, per sample (cheapest exact method, chosen per layer):
 
 - ``T == 1``: ``|a|^2 |g|^2`` (Goodfellow 2015), O(B (d + p)).
-- ghost norm, ``<A A^T, G G^T>`` (Li et al. 2022), O(B T^2 (d + p)), when ``2 T^2 < p d``.
+- ghost norm, ``<A A^T, G G^T>`` (Li et al. 2022), O(B T^2 (d + p)), when ``T (d + p) < p d``.
 - otherwise materialize ``G_b^T A_b`` for a chunk of samples at a time into one reused
   temporary, reduce, move on (mixed ghost clipping, Bu et al. 2022).
 
@@ -37,10 +37,16 @@ def concat_positions(parts: Sequence[Tensor]) -> Tensor:
 
 
 def choose_method(positions: int, d: int, p: int) -> Method:
-    """The norm method for a weight with ``positions`` positions (all calls together)."""
+    """The cheapest exact norm method for a weight with ``positions`` positions (all calls).
+
+    Per sample, the ghost norm costs ``T^2 (d + p)`` multiply-adds and materializing ``T d p``.
+    Both keep their temporaries to about ``CHUNK_ELEMENTS`` by working a chunk of samples at a
+    time, so memory does not decide (the usual ``2 T^2 < p d`` rule compares the memory of
+    unchunked temporaries): ghost when ``T (d + p) < d p``.
+    """
     if positions == 1:
         return "outer"
-    if 2 * positions * positions < p * d:
+    if positions * (d + p) < p * d:
         return "ghost"
     return "materialize"
 
@@ -50,7 +56,7 @@ def _chunks(batch: int, per_sample: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, batch)) for start in range(0, batch, step)]
 
 
-def _sum_of_squares(t: Tensor) -> Tensor:
+def sum_of_squares(t: Tensor) -> Tensor:
     """``[B, ...] -> [B]``."""
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square_()
 
@@ -94,14 +100,14 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
             buffer = acts.new_empty(n, p, d)
         per_sample = buffer[:n]
         torch.bmm(flat_g[rows].transpose(1, 2), flat_a[rows], out=per_sample)
-        result[start:stop] = _sum_of_squares(per_sample.view(stop - start, -1))
+        result[start:stop] = sum_of_squares(per_sample.view(stop - start, -1))
     return result
 
 
 def bias_norms_squared(grads: Tensor) -> Tensor:
     """``[B]``: squared norm of each sample's bias gradient ``grads.sum(T)`` (unscaled)."""
     summed = grads[:, :, 0] if grads.shape[2] == 1 else grads.sum(2)
-    return _sum_of_squares(summed)
+    return sum_of_squares(summed)
 
 
 def weighted_weight_sum(out: Tensor, acts: Tensor, grads: Tensor, weights: Tensor,
