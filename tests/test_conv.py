@@ -1,3 +1,5 @@
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -46,13 +48,57 @@ def conv_setups(draw, dims):
     return conv, (batch, in_channels, *sizes)
 
 
+def forced_method(grouped):
+    """Force the grouped-convolution method (True) or im2col + GEMM (False) on every shape."""
+    return mock.patch.object(conv_rule, "prefers_grouped_convolution", lambda module: grouped)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["im2col", "grouped"])
 @pytest.mark.parametrize("dims", [1, 2, 3])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data(), loss_type=st.sampled_from(["mean", "sum"]))
-def test_conv_every_option(dims, data, loss_type):
+def test_conv_every_option(grouped, dims, data, loss_type):
     conv, shape = data.draw(conv_setups(dims))
     torch.manual_seed(0)
-    assert_matches_loop(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)], loss_type=loss_type)
+    with forced_method(grouped):
+        assert_matches_loop(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)],
+                            loss_type=loss_type)
+
+
+class ReusedWide3d(nn.Module):
+    """A 3d conv with 8 input channels per group (the grouped method), called twice."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.conv = nn.Conv3d(16, 16, 3, padding=1, stride=(1, 2, 1), groups=groups,
+                              padding_mode="replicate")
+
+    def forward(self, x):
+        return self.conv(torch.tanh(self.conv(x)))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_conv3d_many_channels_uses_grouped_method(groups, loss_type):
+    model = ReusedWide3d(groups)
+    assert conv_rule.prefers_grouped_convolution(model.conv)
+    assert not conv_rule.prefers_grouped_convolution(nn.Conv2d(64, 64, 3))
+    torch.manual_seed(0)
+    assert_matches_loop(model, [torch.randn(2, 16, 3, 4, 3)], loss_type=loss_type)
+
+
+class KeywordInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+
+    def forward(self, x):
+        return self.conv(input=x)
+
+
+def test_input_passed_by_keyword():
+    torch.manual_seed(0)
+    assert_matches_loop(KeywordInput(), [torch.randn(3, 2, 5, 5)])
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])

@@ -25,7 +25,14 @@ from torch.nn import functional as F
 
 from ..capture import Call
 from .base import Rule, register_rule
-from .conv import add_group_products, add_spatial_sums, check_batched, sample_chunks, unfold_columns
+from .conv import (
+    add_group_products,
+    add_spatial_sums,
+    check_batched,
+    layer_input,
+    sample_chunks,
+    unfold_columns,
+)
 
 
 def crop_pad_grad_output(module: nn.modules.conv._ConvTransposeNd, grad_output: Tensor,
@@ -103,7 +110,7 @@ class ConvTransposeRule(Rule):
         for i, call in enumerate(calls):
             grad_output = call.backprop()
             if weight is not None:
-                add_conv_transpose_weight_grads(module, call.activation(), grad_output, weight,
+                add_conv_transpose_weight_grads(module, layer_input(call), grad_output, weight,
                                                 scale, i > 0)
             if bias is not None:
                 add_spatial_sums(bias, grad_output, scale, i > 0)

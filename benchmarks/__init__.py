@@ -1,0 +1,1 @@
+"""Benchmarks for per_sample_hooks (see benchmarks/run.py)."""
