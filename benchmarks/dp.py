@@ -1,10 +1,11 @@
 """Per-sample norms and DP clipping: per_sample_hooks against a plain step and the peers.
 
-    PYTHONPATH=. python benchmarks/dp.py                 # every model, time and memory
-    PYTHONPATH=. python benchmarks/dp.py --models mlp --repeats 10 --no-memory
+    python -m benchmarks.dp                       # every model, time and memory
+    python -m benchmarks.dp --models mlp cnn --rounds 20 --no-memory
 
 A *step* is ``zero_grad, forward, mean cross-entropy, backward, [norms / clipping], SGD step``.
-Methods (each on its own copy of the same model, timed interleaved round by round, median):
+Methods (each on its own copy of the same model, timed interleaved round by round with
+``benchmarks/harness.py``: median, IQR):
 
 - ``plain``: the ordinary step (the reference of every ratio).
 - ``psh norms``: per_sample_hooks ``compute_norms`` after the backward (no clipping).
@@ -16,26 +17,29 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
 - ``backpack L2``: BackPACK ``BatchL2Grad`` (norms only).
 - ``func vmap``: ``torch.func.vmap(grad)`` per-sample gradients, their norms, the clipped sum.
 
-Memory: each (model, method) runs 3 steps in a fresh subprocess; ``peak MB`` is the peak RSS
-during the steps minus the RSS after building model, data and wrappers (what the steps add:
-activations, gradients, per-sample buffers, temporaries); its ratio is to ``plain``'s.
+Memory (``harness.peak_memory``): each (model, method) runs 3 steps in a fresh subprocess;
+``peak MiB`` is the peak RSS during the steps above the RSS once model, data and wrappers are
+built and one plain step has run on a throwaway copy (so one-time costs of the process count
+for no method): what the steps add (activations, gradients, per-sample buffers, temporaries).
+The ratio is to ``plain``'s.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import statistics
-import subprocess
+import os
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import per_sample_hooks as psh
+if __package__ in (None, ""):  # run as a script: python benchmarks/dp.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import per_sample_hooks as psh  # noqa: E402
+from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 
 MAX_NORM = 1.0
 METHODS = ["plain", "psh norms", "psh clip", "opacus hooks+clip", "opacus ghost",
@@ -221,109 +225,66 @@ BUILDERS: dict[str, Callable] = {
 }
 
 
-def build(case: str, method: str) -> Callable[[], None]:
+def make_methods(case: str, only: str | None = None) -> dict[str, Callable[[], None]]:
+    """``{method: one step}`` on copies of the same model and batch (``only``: one method)."""
     model, x, y = make_case(case)
-    return BUILDERS[method](copy.deepcopy(model), x, y)
+    methods = [only] if only else METHODS
+    if only:  # memory child: one plain step on a throwaway copy first, so that one-time costs
+        # of the process (autograd engine thread, kernel workspaces) count for no method
+        F.cross_entropy(copy.deepcopy(model)(x), y).backward()
+    return {m: BUILDERS[m](copy.deepcopy(model), x, y) for m in methods}
 
 
-# ---------------------------------------------------------------- timing and memory
-
-def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 2
-                     ) -> dict[str, float]:
-    """Median seconds per step; one call of every method per round so drift hits all alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for _ in range(repeats):
-        for method, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[method].append(time.perf_counter() - start)
-    return {m: statistics.median(t) for m, t in times.items()}
+GOALS = [("psh norms", 1.3), ("psh clip", 1.4)]  # (method, at most x plain): issue #4
+MEMORY_GOAL = ("psh clip", 1.2)
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def memory_child(case: str, method: str, threads: int) -> None:
-    """Print the RSS after setup and the RSS high-water mark of 3 steps (Linux: the mark is
-    reset through /proc/self/clear_refs, so that the import of torch does not count)."""
-    torch.set_num_threads(threads)
-    model, x, y = make_case(case)
-    model = copy.deepcopy(model)
-    step = BUILDERS[method](model, x, y)
-    base = _status_mb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    for _ in range(3):
-        step()
-    print(json.dumps({"base": base, "peak": _status_mb("VmHWM")}))
-
-
-def measure_memory(case: str, method: str, threads: int) -> float | str:
-    """Max-RSS growth (MB) of 3 steps in a fresh process, or the error's last line."""
-    result = subprocess.run(
-        [sys.executable, __file__, "--memory-child", case, method, "--threads", str(threads)],
-        capture_output=True, text=True)
-    if result.returncode != 0:
-        return "fails: " + (result.stderr.strip().splitlines() or ["?"])[-1][:60]
-    numbers = json.loads(result.stdout.strip().splitlines()[-1])
-    return numbers["peak"] - numbers["base"]
-
-
-def run_case(case: str, methods: list[str], repeats: int, memory: bool, threads: int) -> None:
+def run_case(case: str, methods: list[str], rounds: int, memory: bool, threads: int) -> None:
     steps, failures = {}, {}
     for method in methods:
         try:
-            step = build(case, method)
+            step = make_methods(case, method)[method]
             step()
             steps[method] = step
         except Exception as error:  # a peer that cannot run this model: report, go on
-            failures[method] = f"fails: {type(error).__name__}: {str(error).splitlines()[0][:50]}"
-    timings = time_interleaved(steps, repeats)
-    memories = {m: measure_memory(case, m, threads) for m in methods} if memory else {}
-    plain_time, plain_memory = timings.get("plain"), memories.get("plain")
-    print(f"\n## {CASES[case]}  (median of {repeats}, {threads} thread(s))\n")
-    print("| method | ms / step | x plain | peak MB | x plain |")
-    print("|---|---|---|---|---|")
-    for method in methods:
-        if method in failures:
-            print(f"| {method} | {failures[method]} | | | |")
-            continue
-        ms = timings[method] * 1e3
-        ratio = timings[method] / plain_time if plain_time else float("nan")
-        mem = memories.get(method)
-        if isinstance(mem, float):
-            mem_ratio = f"{mem / plain_memory:.2f}" if isinstance(plain_memory, float) \
-                and plain_memory > 0 else ""
-            mem_text = f"{mem:.1f}"
-        else:
-            mem_text, mem_ratio = (mem or ""), ""
-        print(f"| {method} | {ms:.1f} | {ratio:.2f} | {mem_text} | {mem_ratio} |")
-    sys.stdout.flush()
+            failures[method] = f"{type(error).__name__}: {str(error).splitlines()[0][:60]}"
+    results = compare(steps, rounds=rounds, warmup=2, budget_s=180)
+    extra, reports = {"__header__": "peak MiB  x plain" if memory else ""}, {}
+    if memory:
+        for method in steps:
+            try:
+                reports[method] = peak_memory("benchmarks.dp:make_methods", method,
+                                              kwargs={"case": case, "only": method},
+                                              threads=threads).extra_mib
+            except RuntimeError as error:
+                extra[method] = "fails: " + str(error).strip().splitlines()[-1][:50]
+        base = reports.get("plain")
+        for method, mib in reports.items():
+            extra[method] = f"{mib:8.1f}  {mib / base:7.2f}" if base else f"{mib:8.1f}"
+    print_table(results, "plain", f"\n## {CASES[case]}  ({threads} thread(s))", extra)
+    for method, error in failures.items():
+        print(f"{method:<22} fails: {error}")
+    plain = results["plain"].median
+    verdicts = [f"{m} {results[m].median / plain:.2f}x (<= {g}x)"
+                for m, g in GOALS if m in results]
+    if reports.get(MEMORY_GOAL[0]) is not None and reports.get("plain"):
+        ratio = reports[MEMORY_GOAL[0]] / reports["plain"]
+        verdicts.append(f"{MEMORY_GOAL[0]} memory {ratio:.2f}x (<= {MEMORY_GOAL[1]}x)")
+    print("goals: " + "; ".join(verdicts), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "METHOD"))
     args = parser.parse_args()
-    if args.memory_child:
-        memory_child(*args.memory_child, args.threads)
-        return
     torch.set_num_threads(args.threads)
+    methods = ["plain"] + [m for m in args.methods if m != "plain"]
     for case in args.models:
-        run_case(case, args.methods, args.repeats, not args.no_memory, args.threads)
+        run_case(case, methods, args.rounds, not args.no_memory, args.threads)
 
 
 if __name__ == "__main__":

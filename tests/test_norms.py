@@ -276,3 +276,23 @@ def test_seed_001_cnn():
     torch.manual_seed(0)
     inputs = [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])]
     assert_norms_match(SeedCNNWithLoss(), inputs, lambda losses: losses)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 4), t=st.integers(1, 6), vocab=st.integers(1, 5),
+       d=st.integers(1, 4), padding=st.booleans())
+def test_embedding_norms_and_weighted_sum_against_dense(batch, t, vocab, d, padding):
+    torch.manual_seed(2)
+    tokens = torch.randint(vocab, (batch, t))
+    grads = torch.randn(batch, t, d, dtype=torch.double)
+    padding_idx = 0 if padding else None
+    one_hot = torch.nn.functional.one_hot(tokens, vocab).double()
+    if padding:
+        one_hot[..., 0] = 0
+    dense = torch.einsum("btv,btd->bvd", one_hot, grads)  # per-sample table gradients
+    got = ghost.embedding_norms_squared(tokens, grads, vocab, padding_idx)
+    torch.testing.assert_close(got, dense.flatten(1).pow(2).sum(1), rtol=1e-10, atol=1e-12)
+    weights = torch.rand(batch, dtype=torch.double)
+    out = torch.full((vocab, d), float("nan"), dtype=torch.double)
+    ghost.weighted_embedding_sum(out, tokens, grads, weights, padding_idx)
+    torch.testing.assert_close(out, torch.einsum("b,bvd->vd", weights, dense))
