@@ -55,16 +55,20 @@ def test_linear_norms_each_path(method, data, batch, bias, loss_type, chunk):
 
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 4), groups=st.integers(1, 3), t=st.integers(1, 5),
-       d=st.integers(1, 5), p=st.integers(1, 5), chunk=st.sampled_from([1, 5, 1 << 20]))
-def test_weight_norm_methods_agree_with_materialized(batch, groups, t, d, p, chunk):
+       d=st.integers(1, 5), p=st.integers(1, 5), chunk=st.sampled_from([1, 5, 1 << 20]),
+       block=st.sampled_from([1, 2, 3, 64]))
+def test_weight_norm_methods_agree_with_materialized(batch, groups, t, d, p, chunk, block):
     torch.manual_seed(1)
     acts = torch.randn(batch, groups, t, d, dtype=torch.double)
     grads = torch.randn(batch, groups, t, p, dtype=torch.double)
     expected = torch.einsum("bgtp,bgtd->bgpd", grads, acts).flatten(1).pow(2).sum(1)
+    old_block, ghost.GHOST_BLOCK = ghost.GHOST_BLOCK, block
+    assert len(ghost.position_blocks(t)) == -(-t // block)
     with chunk_elements(chunk):
         for method in ["ghost", "materialize"] + (["outer"] if t == 1 else []):
             got = ghost.weight_norms_squared(acts, grads, method)
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    ghost.GHOST_BLOCK = old_block
     bias = ghost.bias_norms_squared(grads)
     torch.testing.assert_close(bias, grads.sum(2).flatten(1).pow(2).sum(1))
 

@@ -9,7 +9,9 @@ concatenated (:func:`concat_positions`): the summed contribution, cross terms in
 Squared norm of the weight gradient, per sample (cheapest exact method, chosen per layer):
 
 - ``T == 1``: ``|a|^2 |g|^2`` (Goodfellow 2015), O(B (d + p)).
-- ghost norm, ``<A A^T, G G^T>`` (Li et al. 2022), O(B T^2 (d + p)), when ``T (d + p) < p d``.
+- ghost norm, ``<A A^T, G G^T>`` (Li et al. 2022), O(B T^2 (d + p)), when cheaper than
+  materializing (:func:`choose_method`); the symmetric Gram matrices are formed by blocks of
+  positions, only on and above the diagonal.
 - otherwise materialize ``G_b^T A_b`` for a chunk of samples at a time into one reused
   temporary, reduce, move on (mixed ghost clipping, Bu et al. 2022).
 
@@ -18,6 +20,7 @@ the smaller operand (book-keeping, Bu et al. 2023).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -36,17 +39,30 @@ def concat_positions(parts: Sequence[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=2)
 
 
+GHOST_BLOCK = 64
+"""Positions per block of the ghost norm's Gram matrices: by symmetry only the blocks on and
+above the diagonal are formed, ``(k + 1) / (2 k)`` of the work for ``k`` blocks."""
+
+
+def position_blocks(positions: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]``: ``positions`` split into about equal blocks of ``GHOST_BLOCK``."""
+    k = max(1, math.ceil(positions / GHOST_BLOCK))
+    bounds = [round(i * positions / k) for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def choose_method(positions: int, d: int, p: int) -> Method:
     """The cheapest exact norm method for a weight with ``positions`` positions (all calls).
 
-    Per sample, the ghost norm costs ``T^2 (d + p)`` multiply-adds and materializing ``T d p``.
-    Both keep their temporaries to about ``CHUNK_ELEMENTS`` by working a chunk of samples at a
-    time, so memory does not decide (the usual ``2 T^2 < p d`` rule compares the memory of
-    unchunked temporaries): ghost when ``T (d + p) < d p``.
+    Per sample, the ghost norm costs ``T^2 (d + p) (k + 1) / (2 k)`` multiply-adds (``k``
+    blocks of positions, see :data:`GHOST_BLOCK`) and materializing ``T d p``. Both keep their
+    temporaries to about ``CHUNK_ELEMENTS`` by working a chunk of samples at a time, so memory
+    does not decide (the usual ``2 T^2 < p d`` rule compares unchunked temporaries).
     """
     if positions == 1:
         return "outer"
-    if positions * (d + p) < p * d:
+    k = len(position_blocks(positions))
+    if positions * (d + p) * (k + 1) < 2 * k * d * p:
         return "ghost"
     return "materialize"
 
@@ -77,18 +93,27 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
     flat_a = acts.reshape(batch * groups, positions, d)
     flat_g = grads.reshape(batch * groups, positions, p)
     if method == "ghost":
-        per_sample = groups * positions * positions
+        blocks = position_blocks(positions)
+        size = max(stop - start for start, stop in blocks)
         buffers = None
-        for start, stop in _chunks(batch, 2 * per_sample):
+        for start, stop in _chunks(batch, 2 * groups * size * size):
             rows = slice(start * groups, stop * groups)
             n = (stop - start) * groups
             if buffers is None:
-                buffers = (acts.new_empty(n, positions, positions),
-                           acts.new_empty(n, positions, positions))
-            gram_a, gram_g = buffers[0][:n], buffers[1][:n]
-            torch.bmm(flat_a[rows], flat_a[rows].transpose(1, 2), out=gram_a)
-            torch.bmm(flat_g[rows], flat_g[rows].transpose(1, 2), out=gram_g)
-            result[start:stop] = gram_a.mul_(gram_g).reshape(stop - start, -1).sum(1)
+                buffers = (acts.new_empty(n * size * size), acts.new_empty(n * size * size))
+            total = acts.new_zeros(stop - start)
+            for i, (a0, a1) in enumerate(blocks):
+                for b0, b1 in blocks[i:]:  # Gram blocks above the diagonal count twice
+                    shape = (n, a1 - a0, b1 - b0)
+                    gram_a = buffers[0][:math.prod(shape)].view(shape)
+                    gram_g = buffers[1][:math.prod(shape)].view(shape)
+                    torch.bmm(flat_a[rows, a0:a1], flat_a[rows, b0:b1].transpose(1, 2),
+                              out=gram_a)
+                    torch.bmm(flat_g[rows, a0:a1], flat_g[rows, b0:b1].transpose(1, 2),
+                              out=gram_g)
+                    inner = gram_a.mul_(gram_g).view(stop - start, -1).sum(1)
+                    total.add_(inner, alpha=1 if a0 == b0 else 2)
+            result[start:stop] = total
         return result
     if method != "materialize":
         raise ValueError(f"unknown norm method {method!r}")
