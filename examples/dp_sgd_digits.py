@@ -81,7 +81,7 @@ def main() -> None:
         for idx in progress:
             dp.zero_grad()
             if len(idx):
-                criterion(model(x_train[idx]), y_train[idx]).backward()
+                dp.backward(criterion(model(x_train[idx]), y_train[idx]))  # skips p.grad
             dp.step(empty_batch=len(idx) == 0)
         model.eval()
         print(f"epoch {epoch:2d}  test accuracy {accuracy(model, x_test, y_test):.4f}  "

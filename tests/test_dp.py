@@ -180,3 +180,51 @@ def test_step_without_backward_raises():
     model, dp = _setup(accountant=None)
     with pytest.raises(psh.PerSampleHooksError, match="backward"):
         dp.step()
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_output_edges_backward_gives_the_same_clipped_grads(loss_type):
+    """Backward to the layer outputs only: p.grad untouched, clip_grads still exact."""
+    from norms_truth import loop_clipped, loop_norms
+    from test_conv import SeedCNNWithLoss
+    from test_norms import Reused
+
+    from per_sample_hooks.dp import OutputEdges
+    torch.manual_seed(0)
+    cases = [(Reused(), [torch.randn(5, 3, 4)], lambda out: out.pow(2).sum((1, 2))),
+             (SeedCNNWithLoss(), [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])],
+              lambda losses: losses)]
+    for model, inputs, loss_fn in cases:
+        model = model.double()
+        inputs = [x.double() if x.is_floating_point() else x for x in inputs]
+        edges = OutputEdges(model)
+        losses = loss_fn(model(*inputs))
+        edges.backward(losses.mean() if loss_type == "mean" else losses.sum())
+        assert all(p.grad is None for p in model.parameters())
+        psh.clip_grads(model, 0.1, loss_type=loss_type)
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        edges.remove()
+        psh.remove_hooks(model)
+        total, _, grads = loop_norms(model, inputs, loss_fn, loss_type)
+        expected = loop_clipped(grads, total, 0.1, loss_type)
+        for n in expected:
+            torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
+
+
+def test_dp_backward_matches_loss_backward():
+    idx = torch.arange(6)
+    model, dp = _setup(noise=0.0, accountant=None)
+    dp.zero_grad()
+    _backward(model, idx)
+    dp.privatize()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model, dp = _setup(noise=0.0, accountant=None)
+    dp.zero_grad()
+    torch.manual_seed(1)
+    x = torch.randn(64, 6, dtype=torch.double)[idx]
+    dp.backward(model(x).pow(2).sum(1).mean())
+    dp.privatize()
+    for g, p in zip(expected, model.parameters()):
+        torch.testing.assert_close(p.grad, g)
+    with pytest.raises(psh.PerSampleHooksError, match="no output"):
+        dp.backward(torch.zeros((), requires_grad=True))
