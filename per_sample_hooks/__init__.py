@@ -14,8 +14,12 @@ from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
-from .rules.conv import conv_output_grads, conv_patches
-from .rules.conv_transpose import conv_transpose_inputs, conv_transpose_patches
+from .rules.conv import conv_output_grads, conv_patches, conv_weight_factors
+from .rules.conv_transpose import (
+    conv_transpose_inputs,
+    conv_transpose_patches,
+    conv_transpose_weight_factors,
+)
 
 __version__ = "0.1.0"
 
@@ -23,6 +27,7 @@ __all__ = [
     "add_hooks", "remove_hooks", "disable_hooks", "enable_hooks", "is_supported",
     "clear_backprops", "compute_grad1", "per_sample_parameters", "register_rule", "Rule",
     "RuleRegistry", "Call", "HookState", "PerSampleHooksError", "UnsupportedModuleError",
-    "conv_patches", "conv_output_grads", "conv_transpose_patches", "conv_transpose_inputs",
+    "conv_patches", "conv_output_grads", "conv_weight_factors", "conv_transpose_patches",
+    "conv_transpose_inputs", "conv_transpose_weight_factors",
 ]
 __all__ += ["compute_norms", "clip_grads", "DPSGD"]

@@ -240,3 +240,16 @@ def test_default_rule_clipping(keep, loss_type):
     model = nn.Sequential(Scale(), nn.Linear(3, 2))
     with keep_fraction(keep):
         assert_clipping_matches(model, [torch.randn(5, 2, 3)], 0.2, loss_type=loss_type)
+
+
+def test_conv_input_by_keyword():
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 2)
+
+        def forward(self, x):
+            return torch.tanh(self.conv(input=x))
+
+    torch.manual_seed(0)
+    assert_clipping_matches(Keyword(), [torch.randn(3, 2, 4, 4)], 0.1)

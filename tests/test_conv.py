@@ -55,7 +55,7 @@ def forced_method(grouped):
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["im2col", "grouped"])
 @pytest.mark.parametrize("dims", [1, 2, 3])
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), loss_type=st.sampled_from(["mean", "sum"]))
 def test_conv_every_option(grouped, dims, data, loss_type):
     conv, shape = data.draw(conv_setups(dims))
@@ -222,3 +222,18 @@ def test_buffers_reused_across_steps_and_smaller_batch():
             for p in model.parameters():
                 assert p.grad1.shape == (batch, *p.shape)
                 torch.testing.assert_close(p.grad1.sum(0), p.grad)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_weight_factors_give_per_sample_gradients(dims):
+    """left^T @ right per sample and group, viewed as the weight, is the loop's gradient."""
+    torch.manual_seed(0)
+    conv = CONVS[dims](6, 4, 2, stride=2, padding=1, groups=2, padding_mode="reflect").double()
+    x = torch.randn(3, 6, *[4] * dims, dtype=torch.float64)
+    y = conv(x)
+    grad_output = torch.randn_like(y)
+    left, right = psh.conv_weight_factors(conv, x, grad_output)
+    per_sample = torch.einsum("bgtp,bgtq->bgpq", left, right).reshape(3, *conv.weight.shape)
+    for b in range(3):
+        expected, = torch.autograd.grad(conv(x[b:b + 1]), conv.weight, grad_output[b:b + 1])
+        torch.testing.assert_close(per_sample[b], expected)

@@ -39,7 +39,7 @@ def transposed_setups(draw, dims):
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), loss_type=st.sampled_from(["mean", "sum"]))
 def test_conv_transpose_every_option(dims, data, loss_type):
     conv, shape = data.draw(transposed_setups(dims))
@@ -127,6 +127,22 @@ def test_unfolded_form_gives_the_weight_gradient(dims):
     assert patches.shape == (2, 2, 3 ** dims, 3 * 3 ** dims)
     per_sample = torch.einsum("bgti,bgtk->bgik", inputs, patches)
     torch.testing.assert_close(per_sample.sum(0).reshape(conv.weight.shape), conv.weight.grad)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_weight_factors_give_per_sample_gradients(dims):
+    """left^T @ right per sample and group, viewed as the weight, is the loop's gradient."""
+    torch.manual_seed(0)
+    conv = TRANSPOSED[dims](4, 6, 3, stride=2, padding=2, output_padding=1, dilation=2,
+                            groups=2).double()
+    x = torch.randn(3, 4, *[3] * dims, dtype=torch.float64)
+    y = conv(x)
+    grad_output = torch.randn_like(y)
+    left, right = psh.conv_transpose_weight_factors(conv, x, grad_output)
+    per_sample = torch.einsum("bgtp,bgtq->bgpq", left, right).reshape(3, *conv.weight.shape)
+    for b in range(3):
+        expected, = torch.autograd.grad(conv(x[b:b + 1]), conv.weight, grad_output[b:b + 1])
+        torch.testing.assert_close(per_sample[b], expected)
 
 
 def test_unbatched_input_is_refused():

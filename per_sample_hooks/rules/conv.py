@@ -41,7 +41,7 @@ from .ghost import (
     weight_norms_squared,
     weighted_bias_sum,
 )
-from .linear import add_position_sums
+from .linear import add_outer_products, add_position_sums
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""
@@ -104,19 +104,25 @@ def conv_output_grads(module: nn.modules.conv._ConvNd, grad_output: Tensor) -> T
     return grad_output.reshape(batch, groups, channels // groups, -1).transpose(2, 3)
 
 
+def conv_weight_factors(module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor
+                        ) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``left^T @ right`` per sample and group the weight gradient.
+
+    ``left = conv_output_grads(...)`` ``[B, G, T, Cout/G]``, ``right = conv_patches(...)``
+    ``[B, G, T, (Cin/G)*prod(k)]``, and ``grad_weight[b].view(G, Cout/G, -1)[g] =
+    left[b, g]^T @ right[b, g]`` (without the loss scale). Same contract as
+    :func:`~per_sample_hooks.rules.conv_transpose.conv_transpose_weight_factors`, so norm,
+    clipping and Kronecker-factor code can treat both layer kinds (and Linear, with ``G = 1``)
+    alike. Materializes the patches of the whole batch: slice the batch for large inputs.
+    """
+    return conv_output_grads(module, grad_output), conv_patches(module, x)
+
+
 def sample_chunks(batch: int, per_sample: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` ranges over the batch holding about ``PATCH_CHUNK_ELEMENTS`` numbers."""
     size = max(1, PATCH_CHUNK_ELEMENTS // max(1, per_sample))
     for start in range(0, batch, size):
         yield start, min(batch, start + size)
-
-
-def add_group_products(out: Tensor, left: Tensor, right: Tensor, scale: float,
-                       accumulate: bool) -> None:
-    """``out[n] (+)= scale * left[n] @ right[n]^T`` for ``left [N, P, T]``, ``right [N, Q, T]``,
-    written into ``out [N, P, Q]`` (``N`` = samples x groups)."""
-    torch.baddbmm(out, left, right.transpose(1, 2), beta=1 if accumulate else 0, alpha=scale,
-                  out=out)
 
 
 def add_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor,
@@ -131,9 +137,9 @@ def add_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, grad_outpu
     grads = grad_output.reshape(batch * groups, out_per_group, -1)
     per_sample = weights.shape[2] * grads.shape[2] * groups
     for start, stop in sample_chunks(batch, per_sample):
-        columns = conv_columns(module, x[start:stop]).flatten(0, 1)
+        patches = conv_columns(module, x[start:stop]).flatten(0, 1).transpose(1, 2)
         rows = slice(start * groups, stop * groups)
-        add_group_products(weights[rows], grads[rows], columns, scale, accumulate)
+        add_outer_products(weights[rows], grads[rows].transpose(1, 2), patches, scale, accumulate)
 
 
 def add_grouped_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor,
@@ -256,7 +262,7 @@ def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], s
     if "bias" in names:
         result["bias"] = bias_norms_squared(concat_positions(grads)).mul_(scale * scale)
     if "weight" in names:
-        acts = [c.activation() for c in calls]
+        acts = [layer_input(c) for c in calls]
         positions = sum(g.shape[2] for g in grads)
         k = module.weight[0].numel()
         method = choose_method(positions, k, grads[0].shape[3])
@@ -279,7 +285,7 @@ def conv_weighted_sum(module: nn.modules.conv._ConvNd, calls: Sequence[Call], we
         grad_output = call.backprop()
         w = weights.to(grad_output.dtype).view(-1, *([1] * (grad_output.dim() - 1)))
         if weight is not None:
-            x = call.activation()
+            x = layer_input(call)
             if not zero_padding:
                 x = pad_conv_input(module, x)
             padding = module.padding if zero_padding else (0,) * len(module.kernel_size)

@@ -26,13 +26,13 @@ from torch.nn import functional as F
 from ..capture import Call
 from .base import Rule, register_rule
 from .conv import (
-    add_group_products,
     add_spatial_sums,
     check_batched,
     layer_input,
     sample_chunks,
     unfold_columns,
 )
+from .linear import add_outer_products
 
 
 def crop_pad_grad_output(module: nn.modules.conv._ConvTransposeNd, grad_output: Tensor,
@@ -77,6 +77,20 @@ def conv_transpose_inputs(module: nn.modules.conv._ConvTransposeNd, x: Tensor) -
     return x.reshape(batch, groups, channels // groups, -1).transpose(2, 3)
 
 
+def conv_transpose_weight_factors(module: nn.modules.conv._ConvTransposeNd, x: Tensor,
+                                  grad_output: Tensor) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``left^T @ right`` per sample and group the weight gradient.
+
+    ``left = conv_transpose_inputs(...)`` ``[B, G, T, Cin/G]``, ``right =
+    conv_transpose_patches(...)`` ``[B, G, T, (Cout/G)*prod(k)]`` (``T`` input positions), and
+    ``grad_weight[b].view(G, Cin/G, -1)[g] = left[b, g]^T @ right[b, g]`` (without the loss
+    scale): the contract of :func:`~per_sample_hooks.rules.conv.conv_weight_factors`, with the
+    roles of input and output gradient swapped. Materializes the patches of the whole batch.
+    """
+    return (conv_transpose_inputs(module, x),
+            conv_transpose_patches(module, grad_output, x.shape[2:]))
+
+
 def add_conv_transpose_weight_grads(module: nn.modules.conv._ConvTransposeNd, x: Tensor,
                                     grad_output: Tensor, out: Tensor, scale: float,
                                     accumulate: bool) -> None:
@@ -88,9 +102,10 @@ def add_conv_transpose_weight_grads(module: nn.modules.conv._ConvTransposeNd, x:
     per_sample = weights.shape[2] * inputs.shape[2] * groups
     spatial = x.shape[2:]
     for start, stop in sample_chunks(batch, per_sample):
-        columns = conv_transpose_columns(module, grad_output[start:stop], spatial).flatten(0, 1)
+        patches = conv_transpose_columns(module, grad_output[start:stop], spatial).flatten(0, 1)
         rows = slice(start * groups, stop * groups)
-        add_group_products(weights[rows], inputs[rows], columns, scale, accumulate)
+        add_outer_products(weights[rows], inputs[rows].transpose(1, 2), patches.transpose(1, 2),
+                           scale, accumulate)
 
 
 @register_rule(nn.ConvTranspose1d)
