@@ -223,6 +223,11 @@ class DPSGD:
         self.steps += 1
         return norms
 
+    def close(self) -> None:
+        """Remove the forward hooks of :meth:`backward` (the capture hooks stay: remove them
+        with :func:`~per_sample_hooks.remove_hooks`)."""
+        self.output_edges.remove()
+
     def epsilon(self, delta: float) -> float:
         """Privacy spent so far, ``epsilon`` at ``delta``, from the accountant."""
         if self.accountant is None:

@@ -228,3 +228,16 @@ def test_dp_backward_matches_loss_backward():
         torch.testing.assert_close(p.grad, g)
     with pytest.raises(psh.PerSampleHooksError, match="no output"):
         dp.backward(torch.zeros((), requires_grad=True))
+
+
+def test_digits_example_runs_one_epoch():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    result = subprocess.run([sys.executable, os.path.join(root, "examples", "dp_sgd_digits.py"),
+                             "--epochs", "1", "--threads", "1"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "epoch  1  test accuracy" in result.stdout and "epsilon 2.3" in result.stdout
