@@ -24,13 +24,15 @@ Memory (``harness.peak_memory``): each (model, method) runs 3 steps in a fresh s
 ``peak MiB`` is the peak RSS during the steps above the RSS once model, data and wrappers are
 built and one plain step has run on a throwaway copy (so one-time costs of the process count
 for no method): what the steps add (activations, gradients, per-sample buffers, temporaries).
-The ratio is to ``plain``'s.
+Median of 3 children, each with ``MALLOC_MMAP_THRESHOLD_=65536`` (see ``CHILD_MALLOC``). The
+ratio is to ``plain``'s.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -253,6 +255,12 @@ def make_methods(case: str, only: str | None = None) -> dict[str, Callable[[], N
     return {m: BUILDERS[m](copy.deepcopy(model), x, y) for m in methods}
 
 
+MEMORY_REPEATS = 3
+CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""Memory children allocate every block above 64 KiB with its own mmap, returned to the system
+when freed, so that their RSS follows the live tensors instead of glibc's heap high-water mark
+(with the default dynamic threshold, repeated runs of one method differed by up to 2x)."""
+
 GOALS = [("psh norms", 1.3), ("psh clip", 1.4), ("psh clip outputs-bwd", 1.4)]  # issue #4
 MEMORY_GOAL = ("psh clip", 1.2)
 
@@ -271,9 +279,10 @@ def run_case(case: str, methods: list[str], rounds: int, memory: bool, threads: 
     if memory:
         for method in steps:
             try:
-                reports[method] = peak_memory("benchmarks.dp:make_methods", method,
-                                              kwargs={"case": case, "only": method},
-                                              threads=threads).extra_mib
+                reports[method] = statistics.median(
+                    peak_memory("benchmarks.dp:make_methods", method,
+                                kwargs={"case": case, "only": method},
+                                threads=threads).extra_mib for _ in range(MEMORY_REPEATS))
             except RuntimeError as error:
                 extra[method] = "fails: " + str(error).strip().splitlines()[-1][:50]
         base = reports.get("plain")
@@ -300,6 +309,7 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ.update(CHILD_MALLOC)  # read by the memory children only (already started here)
     methods = ["plain"] + [m for m in args.methods if m != "plain"]
     for case in args.models:
         run_case(case, methods, args.rounds, not args.no_memory, args.threads)

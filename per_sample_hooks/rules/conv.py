@@ -36,6 +36,7 @@ from .base import KeptGrads, Rule, contract_samples, register_rule
 from .ghost import (
     bias_norms_squared,
     choose_method,
+    chunk_ranges,
     concat_positions,
     sum_of_squares,
     weight_norms_squared,
@@ -267,7 +268,7 @@ def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], s
         k = module.weight[0].numel()
         method = choose_method(positions, k, grads[0].shape[3])
         norms = grads[0].new_empty(batch)
-        for start, stop in sample_chunks(batch, groups * positions * k):
+        for start, stop in chunk_ranges(batch, groups * positions * k):
             patches = concat_positions([conv_patches(module, a[start:stop]) for a in acts])
             chunk_grads = concat_positions([g[start:stop] for g in grads])
             norms[start:stop] = weight_norms_squared(patches, chunk_grads, method)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 Method = Literal["outer", "ghost", "materialize"]
 
-CHUNK_ELEMENTS = 1 << 20
+CHUNK_ELEMENTS = 1 << 18
 """Largest temporary (in elements) the ghost / materialize paths allocate at once: the batch is
 processed in chunks of samples that fit, so the temporary stays cache-sized and is reused."""
 
@@ -67,7 +67,7 @@ def choose_method(positions: int, d: int, p: int) -> Method:
     return "materialize"
 
 
-def _chunks(batch: int, per_sample: int) -> list[tuple[int, int]]:
+def chunk_ranges(batch: int, per_sample: int) -> list[tuple[int, int]]:
     step = max(1, min(batch, CHUNK_ELEMENTS // max(per_sample, 1)))
     return [(start, min(start + step, batch)) for start in range(0, batch, step)]
 
@@ -96,7 +96,7 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
         blocks = position_blocks(positions)
         size = max(stop - start for start, stop in blocks)
         buffers = None
-        for start, stop in _chunks(batch, 2 * groups * size * size):
+        for start, stop in chunk_ranges(batch, 2 * groups * size * size):
             rows = slice(start * groups, stop * groups)
             n = (stop - start) * groups
             if buffers is None:
@@ -118,7 +118,7 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
     if method != "materialize":
         raise ValueError(f"unknown norm method {method!r}")
     buffer = None
-    for start, stop in _chunks(batch, groups * p * d):
+    for start, stop in chunk_ranges(batch, groups * p * d):
         rows = slice(start * groups, stop * groups)
         n = (stop - start) * groups
         if buffer is None:
