@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from norms_truth import assert_clipping_matches, hooked_backward
+from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
 from test_conv import Reused as ReusedConv
 from test_conv import SeedCNNWithLoss, conv_setups
 from test_norms import CONV_PATHS, Reused
@@ -253,3 +253,13 @@ def test_conv_input_by_keyword():
 
     torch.manual_seed(0)
     assert_clipping_matches(Keyword(), [torch.randn(3, 2, 4, 4)], 0.1)
+
+
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_conv_transpose_through_the_default_rule_methods(keep):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose2d(2, 4, 3, stride=2, groups=2), nn.Tanh(),
+                          nn.Conv2d(4, 2, 2))
+    with keep_fraction(keep):
+        assert_clipping_matches(model, [torch.randn(3, 2, 3, 3)], 0.1)
+    assert_norms_match(model, [torch.randn(3, 2, 3, 3)], loss_type="sum")
