@@ -10,7 +10,9 @@ from .api import (
     remove_hooks,
 )
 from .capture import Call, HookState
+from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
 from .rules.conv import conv_output_grads, conv_patches, conv_weight_factors
 from .rules.conv_transpose import (
@@ -28,3 +30,4 @@ __all__ = [
     "conv_patches", "conv_output_grads", "conv_weight_factors", "conv_transpose_patches",
     "conv_transpose_inputs", "conv_transpose_weight_factors",
 ]
+__all__ += ["compute_norms", "clip_grads", "DPSGD"]

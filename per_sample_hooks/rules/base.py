@@ -10,9 +10,40 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import torch
 from torch import Tensor, nn
 
 from ..capture import Call
+
+
+class KeptGrads:
+    """Per-sample gradients a rule may keep from :meth:`Rule.norms_squared` for
+    :meth:`Rule.weighted_sum` within one step (DP clipping), up to ``budget`` elements in all.
+
+    ``buffer_for(module, name, param, batch)`` supplies the storage (persistent buffers, reused
+    across steps). A rule that materializes a parameter's per-sample gradients anyway asks
+    :meth:`reserve`; when granted, it writes them *as captured* (``scale=1``) and
+    ``weighted_sum`` contracts them with the weights instead of recomputing them.
+    """
+
+    def __init__(self, budget: int, buffer_for: Callable[[nn.Module, str, Tensor, int], Tensor]):
+        self.budget = budget
+        self._buffer_for = buffer_for
+        self._kept: dict[tuple[int, str], Tensor] = {}
+
+    def reserve(self, module: nn.Module, name: str, batch: int) -> Tensor | None:
+        """A ``[batch, *param.shape]`` buffer to fill, or None when over the budget."""
+        param = module._parameters[name]
+        size = batch * param.numel()
+        if size > self.budget:
+            return None
+        self.budget -= size
+        buffer = self._buffer_for(module, name, param, batch)
+        self._kept[(id(module), name)] = buffer
+        return buffer
+
+    def get(self, module: nn.Module, name: str) -> Tensor | None:
+        return self._kept.get((id(module), name))
 
 
 class Rule:
@@ -40,9 +71,60 @@ class Rule:
         (a ``PackedSequence``, a batch that is not at ``batch_dim`` by the module's own layout)."""
         return call.batch_size
 
+    def norms_squared(self, module: nn.Module, calls: Sequence[Call], scale: float,
+                      names: Sequence[str], keep: KeptGrads | None = None
+                      ) -> dict[str, Tensor]:
+        """``{name: [B]}``: squared L2 norm of each sample's gradient of each parameter in
+        ``names``, i.e. of exactly what :meth:`grad1` writes (``scale`` included, so squared).
+
+        Default: materialize one parameter at a time (into ``keep``'s buffer when granted,
+        else a temporary that is freed), reduce.
+        """
+        result = {}
+        batch = self.batch_size(module, calls[0])
+        for name in names:
+            param = module._parameters[name]
+            kept = keep.reserve(module, name, batch) if keep is not None else None
+            per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
+            self.grad1(module, calls, 1.0, {name: per_sample})
+            result[name] = torch.linalg.vector_norm(per_sample.reshape(batch, -1),
+                                                    dim=1).square_().mul_(scale * scale)
+            del per_sample
+        return result
+
+    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
+                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
+        """Write ``sum_b weights[b] * grad1_b`` into ``out[name]`` (shape ``param.shape``).
+
+        ``grad1_b`` is the per-sample gradient *as captured*, i.e. :meth:`grad1` with
+        ``scale=1``: for a mean loss it carries the loss's ``1/B``, so the caller folds any loss
+        scale into ``weights`` (clipping a mean loss passes the clipping coefficients as they
+        are and gets ``(1/B) sum_b c_b g_b``). ``out`` is fully overwritten.
+
+        Default: contract the gradients kept by :meth:`norms_squared` in ``keep``, or
+        materialize one parameter at a time into a temporary, contract, free it.
+        """
+        for name, target in out.items():
+            per_sample = keep.get(module, name) if keep is not None else None
+            if per_sample is None:
+                param = module._parameters[name]
+                per_sample = param.new_empty((len(weights), *param.shape))
+                self.grad1(module, calls, 1.0, {name: per_sample})
+            contract_samples(target, per_sample, weights)
+            del per_sample
+
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
         cannot give exact per-sample quantities (``name`` is the module's path)."""
+
+
+def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:
+    """``out = sum_b weights[b] * per_sample[b]`` (``per_sample [B, *out.shape]``), one ``mv``."""
+    flat = per_sample.reshape(len(weights), -1)
+    if out.is_contiguous():
+        torch.mv(flat.t(), weights.to(flat.dtype), out=out.view(-1))
+    else:
+        out.copy_((weights.to(flat.dtype) @ flat).view(out.shape))
 
 
 R = TypeVar("R", bound=Rule)

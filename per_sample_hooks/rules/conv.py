@@ -32,7 +32,16 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import Rule, register_rule
+from .base import KeptGrads, Rule, contract_samples, register_rule
+from .ghost import (
+    bias_norms_squared,
+    choose_method,
+    chunk_ranges,
+    concat_positions,
+    sum_of_squares,
+    weight_norms_squared,
+    weighted_bias_sum,
+)
 from .linear import add_outer_products, add_position_sums
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
@@ -209,3 +218,85 @@ class ConvRule(Rule):
                 add_weight_grads(module, layer_input(call), grad_output, weight, scale, i > 0)
             if bias is not None:
                 add_spatial_sums(bias, grad_output, scale, i > 0)
+
+    def norms_squared(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
+                      scale: float, names: Sequence[str], keep: KeptGrads | None = None
+                      ) -> dict[str, Tensor]:
+        """Linear norm paths per group on the unfolded form, a chunk of samples at a time; the
+        weight's per-sample gradients go into ``keep`` when granted (several positions)."""
+        if "weight" in names and keep is not None:
+            grads = calls[0].backprop()
+            if sum(c.backprop()[0, 0].numel() for c in calls) > 1:
+                kept = keep.reserve(module, "weight", grads.shape[0])
+                if kept is not None:
+                    self.grad1(module, calls, 1.0, {"weight": kept})
+                    result = conv_norms_squared(module, calls, scale,
+                                                [n for n in names if n != "weight"])
+                    result["weight"] = sum_of_squares(kept).mul_(scale * scale)
+                    return result
+        return conv_norms_squared(module, calls, scale, names)
+
+    def weighted_sum(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
+                     weights: Tensor, out: dict[str, Tensor], keep: KeptGrads | None = None
+                     ) -> None:
+        """From the kept per-sample gradients, else one weight-gradient convolution per call
+        with ``weights`` folded into the output gradients."""
+        kept = keep.get(module, "weight") if keep is not None else None
+        if kept is not None and "weight" in out:
+            contract_samples(out["weight"], kept, weights)
+            out = {n: t for n, t in out.items() if n != "weight"}
+        conv_weighted_sum(module, calls, weights, out)
+
+
+def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
+                       names: Sequence[str]) -> dict[str, Tensor]:
+    """``{name: [B]}`` squared per-sample norms (``scale`` included) of all calls together.
+
+    Weight: patches ``[B, G, T, K]`` and grads ``[B, G, T, Cout/G]`` of every call joined
+    along positions, then :func:`~.ghost.weight_norms_squared` (``|a|^2|g|^2`` for one
+    position, ghost norm when ``2 T^2 < K Cout/G``, else materialized), a chunk of samples
+    at a time so the patch buffer stays about ``PATCH_CHUNK_ELEMENTS`` numbers.
+    """
+    grads = [conv_output_grads(module, c.backprop()) for c in calls]
+    batch, groups = grads[0].shape[0], module.groups
+    result = {}
+    if "bias" in names:
+        result["bias"] = bias_norms_squared(concat_positions(grads)).mul_(scale * scale)
+    if "weight" in names:
+        acts = [layer_input(c) for c in calls]
+        positions = sum(g.shape[2] for g in grads)
+        k = module.weight[0].numel()
+        method = choose_method(positions, k, grads[0].shape[3])
+        norms = grads[0].new_empty(batch)
+        for start, stop in chunk_ranges(batch, groups * positions * k):
+            patches = concat_positions([conv_patches(module, a[start:stop]) for a in acts])
+            chunk_grads = concat_positions([g[start:stop] for g in grads])
+            norms[start:stop] = weight_norms_squared(patches, chunk_grads, method)
+        result["weight"] = norms.mul_(scale * scale)
+    return result
+
+
+def conv_weighted_sum(module: nn.modules.conv._ConvNd, calls: Sequence[Call], weights: Tensor,
+                      out: dict[str, Tensor]) -> None:
+    """``out[name] = sum_b weights[b] grad1_b`` (captured scale): the weight gradient of the
+    convolution with each sample's output gradient multiplied by its weight (no unfold)."""
+    weight, bias = out.get("weight"), out.get("bias")
+    zero_padding = module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    for i, call in enumerate(calls):
+        grad_output = call.backprop()
+        w = weights.to(grad_output.dtype).view(-1, *([1] * (grad_output.dim() - 1)))
+        if weight is not None:
+            x = layer_input(call)
+            if not zero_padding:
+                x = pad_conv_input(module, x)
+            padding = module.padding if zero_padding else (0,) * len(module.kernel_size)
+            _, summed, _ = torch.ops.aten.convolution_backward(
+                grad_output * w, x, module.weight, None, module.stride, padding,
+                module.dilation, False, (0,) * len(module.kernel_size), module.groups,
+                (False, True, False))
+            if i == 0:
+                weight.copy_(summed)
+            else:
+                weight.add_(summed)
+        if bias is not None:
+            weighted_bias_sum(bias, conv_output_grads(module, grad_output), weights, i > 0)

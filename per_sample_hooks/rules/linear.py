@@ -11,7 +11,15 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Call
-from .base import Rule, register_rule
+from .base import KeptGrads, Rule, contract_samples, register_rule
+from .ghost import (
+    bias_norms_squared,
+    concat_positions,
+    sum_of_squares,
+    weight_norms_squared,
+    weighted_bias_sum,
+    weighted_weight_sum,
+)
 
 
 def flatten_positions(t: Tensor) -> Tensor:
@@ -95,3 +103,42 @@ class LinearRule(Rule):
                 add_outer_products(weight, grads, acts, scale, i > 0)
             if bias is not None:
                 add_position_sums(bias, grads, scale, i > 0)
+
+    def norms_squared(self, module: nn.Linear, calls: Sequence[Call], scale: float,
+                      names: Sequence[str], keep: KeptGrads | None = None
+                      ) -> dict[str, Tensor]:
+        """Exact squared norms of the summed contribution of all calls (see ``ghost``); with
+        several positions, the weight's per-sample gradients go into ``keep`` when granted."""
+        grads = concat_positions([flatten_positions(c.backprop()).unsqueeze(1) for c in calls])
+        result = {}
+        if "weight" in names:
+            batch, _, positions, _ = grads.shape
+            kept = keep.reserve(module, "weight", batch) if keep and positions > 1 else None
+            if kept is not None:
+                self.grad1(module, calls, 1.0, {"weight": kept})
+                squared = sum_of_squares(kept)
+            else:
+                acts = concat_positions(
+                    [flatten_positions(c.activation()).unsqueeze(1) for c in calls])
+                squared = weight_norms_squared(acts, grads)
+            result["weight"] = squared.mul_(scale * scale)
+        if "bias" in names:
+            result["bias"] = bias_norms_squared(grads).mul_(scale * scale)
+        return result
+
+    def weighted_sum(self, module: nn.Linear, calls: Sequence[Call], weights: Tensor,
+                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
+        """``sum_b weights[b] grad1_b`` (captured scale): from the kept per-sample gradients,
+        else one matmul per call with the weights folded in."""
+        weight, bias = out.get("weight"), out.get("bias")
+        kept = keep.get(module, "weight") if keep is not None else None
+        if weight is not None and kept is not None:
+            contract_samples(weight, kept, weights)
+            weight = None
+        for i, call in enumerate(calls):
+            grads = flatten_positions(call.backprop()).unsqueeze(1)
+            if weight is not None:
+                acts = flatten_positions(call.activation()).unsqueeze(1)
+                weighted_weight_sum(weight, acts, grads, weights, accumulate=i > 0)
+            if bias is not None:
+                weighted_bias_sum(bias, grads, weights, accumulate=i > 0)

@@ -1,0 +1,201 @@
+"""Per-sample gradient norms and DP clipping after one ordinary backward, without materializing
+per-sample gradients (each rule picks its cheapest exact path; see ``rules/ghost.py``).
+
+    add_hooks(model)
+    loss = criterion(model(x), y)          # mean over the batch
+    loss.backward()
+    norms = clip_grads(model, max_norm=1.0)  # p.grad <- (1/B) sum_i c_i g_i
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .api import LayerWork, LossType, Step, prepare_step
+from .capture import HookState
+from .errors import PerSampleHooksError
+from .rules.base import KeptGrads
+
+CLIP_EPSILON = 1e-6
+"""``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
+
+KEEP_FRACTION = 0.25
+"""``clip_grads`` keeps per-sample gradients that a rule materializes for the norms (so that the
+clipped sum is a cheap contraction instead of a second product) up to this fraction of the
+number of elements the hooks captured (activations and output gradients), in persistent
+buffers; beyond it the clipped sum is recomputed by one matmul per layer."""
+
+
+def _parameter_names(model: nn.Module, step: Step, caller: str
+                     ) -> dict[int, dict[str, str]]:
+    """Qualified parameter name (as in ``model.named_parameters()``) for each layer's
+    trainable parameters; a parameter shared by two hooked modules is refused."""
+    qualified = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    seen: dict[int, str] = {}
+    names = {}
+    for layer in step.layers:
+        names[id(layer)] = {}
+        for local, p in layer.parameters.items():
+            if id(p) in seen:
+                raise PerSampleHooksError(
+                    f"{caller}: parameter '{local}' of '{layer.name}' is also a parameter of "
+                    f"'{seen[id(p)]}' (tied weights across modules); per-sample norms would miss "
+                    "the cross terms between the two modules. Untie the weights or use "
+                    "compute_grad1 and sum the two modules' grad1 yourself")
+            seen[id(p)] = layer.name
+            names[id(layer)][local] = qualified.get(id(p), f"{layer.name}.{local}")
+    return names
+
+
+def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
+                         ) -> dict[str, Tensor]:
+    if not layer.parameters:
+        return {}
+    if not layer.calls:  # the module's output did not reach the loss
+        p = next(iter(layer.parameters.values()))
+        zeros = torch.zeros(step.batch_size, dtype=p.dtype, device=p.device)
+        return dict.fromkeys(layer.parameters, zeros)
+    names = list(layer.parameters)
+    if keep is None:
+        return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names)
+    return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names, keep=keep)
+
+
+def _per_parameter_squared(model: nn.Module, step: Step, caller: str,
+                           keep: KeptGrads | None = None) -> dict[str, Tensor]:
+    names = _parameter_names(model, step, caller)
+    result = {}
+    for layer in step.layers:
+        squared = _layer_norms_squared(layer, step, keep)
+        for local in layer.parameters:
+            result[names[id(layer)][local]] = squared[local]
+    return result
+
+
+def _total(squared: dict[str, Tensor], batch_size: int) -> Tensor:
+    values = list(squared.values())
+    if not values:
+        return torch.zeros(batch_size)
+    total = values[0].clone()
+    for v in values[1:]:
+        total.add_(v.to(total.dtype))
+    return total.sqrt_()
+
+
+def _check_finite(norms: Tensor, squared: dict[str, Tensor], caller: str) -> None:
+    bad = ~torch.isfinite(norms)
+    if not bool(bad.any()):
+        return
+    samples = bad.nonzero().flatten().tolist()
+    culprits = [n for n, s in squared.items() if not bool(torch.isfinite(s[bad]).all())]
+    shown = ", ".join(map(str, samples[:10])) + (" ..." if len(samples) > 10 else "")
+    raise PerSampleHooksError(
+        f"{caller}: the gradient norm is not finite for {len(samples)} sample(s) (indices "
+        f"{shown}); first parameter concerned: '{culprits[0] if culprits else '?'}'. Check "
+        "those inputs and the loss (overflow, log of zero, NaN in the data)")
+
+
+@torch.no_grad()
+def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False
+                  ) -> Tensor | dict[str, Tensor]:
+    """After one backward: the L2 norm of each sample's gradient, ``[B]``.
+
+    Exactly the norms of what :func:`compute_grad1` would give (all trainable parameters of
+    hooked modules together), without materializing per-sample gradients where a cheaper exact
+    path exists. With ``per_param=True``: ``{parameter name: [B]}``, names as in
+    ``model.named_parameters()``. Raises if a norm is not finite, naming the samples.
+    """
+    _, step = prepare_step(model, loss_type, "compute_norms")
+    squared = _per_parameter_squared(model, step, "compute_norms")
+    norms = _total(squared, step.batch_size)
+    _check_finite(norms, squared, "compute_norms")
+    if per_param:
+        return {n: s.sqrt() for n, s in squared.items()}
+    return norms
+
+
+def clipping_coefficients(norms: Tensor, max_norm: float) -> Tensor:
+    """``c_i = min(1, max_norm / (norms_i + 1e-6))``."""
+    return (max_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
+
+
+def _check_max_norm(max_norm: float, caller: str) -> None:
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
+            or not math.isfinite(max_norm) or max_norm <= 0:
+        raise ValueError(f"{caller}: max_norm must be a finite number > 0, got {max_norm!r}")
+
+
+def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
+    """Every parameter that backward gave a gradient must be one we can clip."""
+    covered = {id(p) for layer in step.layers for p in layer.parameters.values()}
+    for layer in step.layers:
+        for local, p in layer.parameters.items():
+            if not layer.calls and p.grad is not None and bool(p.grad.any()):
+                raise PerSampleHooksError(
+                    f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero gradient "
+                    "but its module's output did not reach the loss in this step: either the "
+                    "parameter is used outside its module's forward (its per-sample gradients "
+                    "cannot be seen), or its .grad is left over from an earlier step (call "
+                    "optimizer.zero_grad() before the forward)")
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.grad is not None and id(p) not in covered:
+            raise PerSampleHooksError(
+                f"{caller}: parameter '{name}' received a gradient but belongs to no hooked "
+                "module, so it cannot be clipped per sample. Freeze it, or give its module a "
+                "rule (register_rule) before add_hooks")
+
+
+def _kept_grads(state: HookState, step: Step) -> KeptGrads:
+    captured = 0
+    for layer in step.layers:
+        for call in layer.calls:
+            captured += sum(a.numel() for a in call.args if isinstance(a, Tensor))
+            captured += sum(g.numel() for passes in call.grads for g in passes)
+
+    def buffer_for(module: nn.Module, name: str, param: Tensor, batch: int) -> Tensor:
+        return state.buffer(module, f"kept {name}", batch, param)
+    return KeptGrads(int(KEEP_FRACTION * captured), buffer_for)
+
+
+def _grad_target(p: nn.Parameter) -> Tensor:
+    g = p.grad
+    if g is None or not g.is_contiguous() or g.dtype != p.dtype or g.shape != p.shape:
+        g = torch.empty_like(p, memory_format=torch.contiguous_format)
+        p.grad = g
+    return g
+
+
+@torch.no_grad()
+def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") -> Tensor:
+    """After one ordinary backward, replace ``p.grad`` with the per-sample-clipped gradient.
+
+    ``p.grad = (1/B) sum_i c_i g_i`` (``loss_type="mean"``) or ``sum_i c_i g_i`` (``"sum"``) with
+    ``g_i`` sample i's gradient and ``c_i = min(1, max_norm / (|g_i| + 1e-6))``; ``|g_i|`` is
+    over all trainable parameters of hooked modules. No second backward: one matmul per layer
+    from the captured activations and output gradients. Returns the unclipped norms ``[B]``.
+    """
+    _check_max_norm(max_norm, "clip_grads")
+    state, step = prepare_step(model, loss_type, "clip_grads")
+    _check_coverage(model, step, "clip_grads")
+    keep = _kept_grads(state, step)
+    squared = _per_parameter_squared(model, step, "clip_grads", keep)
+    norms = _total(squared, step.batch_size)
+    _check_finite(norms, squared, "clip_grads")
+    # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
+    coefficients = clipping_coefficients(norms, max_norm)
+    for layer in step.layers:
+        if not layer.parameters:
+            continue
+        if not layer.calls:
+            for p in layer.parameters.values():
+                if p.grad is not None:
+                    p.grad.zero_()
+            continue
+        out = {name: _grad_target(p) for name, p in layer.parameters.items()}
+        layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
+    return norms
+
+
+__all__ = ["compute_norms", "clip_grads", "clipping_coefficients", "CLIP_EPSILON"]

@@ -1,0 +1,95 @@
+"""Ground truth for norms and clipping: the float64 per-sample loop of ``ground_truth``."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+import per_sample_hooks as psh
+from ground_truth import LossFn, loop_grads, weighted_square
+
+
+def as_double(model: nn.Module, inputs: Sequence[object]) -> tuple[nn.Module, list[object]]:
+    return model.double(), [x.double() if isinstance(x, Tensor) and x.is_floating_point() else x
+                            for x in inputs]
+
+
+def loop_norms(model: nn.Module, inputs: Sequence[object], loss_fn: LossFn, loss_type: str
+               ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """(total norms [B], per-parameter norms, per-sample grads) from the per-sample loop.
+
+    ``loss_type`` does not change per-sample gradients (``d l_i / d p``) and is unused; it is in
+    the signature so that call sites read alike."""
+    del loss_type
+    batch = next(x for x in inputs if isinstance(x, Tensor)).shape[0]
+    grads = loop_grads(model, inputs, loss_fn, batch)
+    per_param = {n: g.flatten(1).norm(dim=1) for n, g in grads.items()}
+    total = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    return total, per_param, grads
+
+
+def loop_clipped(grads: dict[str, Tensor], total: Tensor, max_norm: float, loss_type: str
+                 ) -> dict[str, Tensor]:
+    coefficients = (max_norm / (total + 1e-6)).clamp(max=1)
+    clipped = {n: torch.einsum("b,b...->...", coefficients, g) for n, g in grads.items()}
+    if loss_type == "mean":
+        clipped = {n: g / len(total) for n, g in clipped.items()}
+    return clipped
+
+
+def hooked_backward(model: nn.Module, inputs: Sequence[object], loss_fn: LossFn = weighted_square,
+                    loss_type: str = "mean", **hook_options) -> None:
+    """Hook ``model`` (left hooked) and run one forward and backward of the whole batch."""
+    psh.add_hooks(model, **hook_options)
+    model.zero_grad(set_to_none=True)
+    losses = loss_fn(model(*inputs))
+    (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+
+
+def assert_norms_match(model: nn.Module, inputs: Sequence[object],
+                       loss_fn: LossFn = weighted_square, loss_type: str = "mean",
+                       rtol: float = 1e-9, atol: float = 1e-10) -> Tensor:
+    """compute_norms (total and per parameter) against the loop, and against compute_grad1."""
+    model, inputs = as_double(model, inputs)
+    try:
+        hooked_backward(model, inputs, loss_fn, loss_type)
+        total = psh.compute_norms(model, loss_type=loss_type)
+        per_param = psh.compute_norms(model, loss_type=loss_type, per_param=True)
+        psh.compute_grad1(model, loss_type=loss_type)
+        from_grad1 = {n: p.grad1.flatten(1).norm(dim=1) for n, p in model.named_parameters()
+                      if p.requires_grad}
+    finally:
+        psh.remove_hooks(model)
+    expected_total, expected_per_param, _ = loop_norms(model, inputs, loss_fn, loss_type)
+    torch.testing.assert_close(total, expected_total, rtol=rtol, atol=atol)
+    assert per_param.keys() == expected_per_param.keys()
+    for n in per_param:
+        torch.testing.assert_close(per_param[n], expected_per_param[n], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(per_param[n], from_grad1[n], rtol=rtol, atol=atol)
+    return total
+
+
+def assert_clipping_matches(model: nn.Module, inputs: Sequence[object], max_norm: float,
+                            loss_fn: LossFn = weighted_square, loss_type: str = "mean",
+                            rtol: float = 1e-9, atol: float = 1e-10) -> Tensor:
+    """clip_grads' p.grad against the loop's clipped mean / sum; returns the norms."""
+    model, inputs = as_double(model, inputs)
+    try:
+        hooked_backward(model, inputs, loss_fn, loss_type)
+        norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
+        got = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+               for n, p in model.named_parameters() if p.requires_grad}
+        frozen_grads = [p.grad for p in model.parameters() if not p.requires_grad]
+    finally:
+        psh.remove_hooks(model)
+    assert all(g is None for g in frozen_grads), "a frozen parameter got a gradient"
+    total, _, grads = loop_norms(model, inputs, loss_fn, loss_type)
+    torch.testing.assert_close(norms, total, rtol=rtol, atol=atol)
+    expected = loop_clipped(grads, total, max_norm, loss_type)
+    assert got.keys() == expected.keys()
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    return norms

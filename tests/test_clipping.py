@@ -1,0 +1,265 @@
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
+from test_conv import Reused as ReusedConv
+from test_conv import SeedCNNWithLoss, conv_setups
+from test_norms import CONV_PATHS, Reused
+from torch import nn
+
+import per_sample_hooks as psh
+from per_sample_hooks import norms as norms_module
+from per_sample_hooks.rules import ghost
+
+KEEP_FRACTIONS = [0.0, norms_module.KEEP_FRACTION, 1e9]  # never, default, always
+
+
+@contextmanager
+def keep_fraction(fraction):
+    """clip_grads keeps materialized per-sample gradients up to this fraction of the captures."""
+    old = norms_module.KEEP_FRACTION
+    norms_module.KEEP_FRACTION = fraction
+    try:
+        yield
+    finally:
+        norms_module.KEEP_FRACTION = old
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 5), t=st.sampled_from([1, 2, 5]), d=st.integers(1, 6),
+       p=st.integers(1, 6), bias=st.booleans(), loss_type=st.sampled_from(["mean", "sum"]),
+       max_norm=st.sampled_from([1e-3, 0.5, 1e6]), keep=st.sampled_from(KEEP_FRACTIONS))
+def test_linear_clipped_sum(batch, t, d, p, bias, loss_type, max_norm, keep):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, p, bias=bias), nn.Tanh(), nn.Linear(p, 2, bias=bias))
+    leading = (t,) if t > 1 else ()
+    with keep_fraction(keep):
+        assert_clipping_matches(model, [torch.randn(batch, *leading, d)], max_norm,
+                                loss_type=loss_type)
+
+
+def test_clipping_is_active():
+    """Guard: with a small max_norm the result differs from the unclipped gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    hooked_backward(model, [x])
+    plain = [p.grad.clone() for p in model.parameters()]
+    norms = psh.clip_grads(model, 0.1)
+    psh.remove_hooks(model)
+    assert (norms > 0.1).all()
+    total = torch.cat([g.flatten() for g in plain]).norm()
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert clipped <= 0.1 + 1e-12 < total
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("shape", [(6, 4), (6, 3, 4)])
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_reuse(loss_type, shape, keep):
+    torch.manual_seed(0)
+    with keep_fraction(keep):
+        assert_clipping_matches(Reused(), [torch.randn(*shape)], 0.3, loss_type=loss_type)
+
+
+def test_frozen_parameters_keep_no_grad():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    assert_clipping_matches(model, [torch.randn(7, 5)], 0.2)
+
+
+def test_default_rule_weighted_sum_matches_linear_fast_path():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(5, 2, 4, dtype=torch.double)
+    hooked_backward(model, [x])
+    state = psh.add_hooks(model)
+    rule, calls = state.rules[model], state.calls[model]
+    weights = torch.rand(5, dtype=torch.double)
+    fast = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
+    slow = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
+    rule.weighted_sum(model, calls, weights, fast)
+    psh.Rule.weighted_sum(rule, model, calls, weights, slow)
+    norms_fast = rule.norms_squared(model, calls, 5.0, ["weight", "bias"])
+    norms_slow = psh.Rule.norms_squared(rule, model, calls, 5.0, ["weight", "bias"])
+    psh.remove_hooks(model)
+    for n in fast:
+        torch.testing.assert_close(fast[n], slow[n], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(norms_fast[n], norms_slow[n], rtol=1e-10, atol=1e-12)
+
+
+def test_materialize_path_with_small_chunks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3))
+    assert ghost.choose_method(6, 2, 2) == "materialize"
+    old = ghost.CHUNK_ELEMENTS
+    ghost.CHUNK_ELEMENTS = 3
+    try:
+        assert_clipping_matches(model, [torch.randn(5, 6, 2)], 0.05)
+    finally:
+        ghost.CHUNK_ELEMENTS = old
+
+
+def test_zeroed_grad_of_unreached_module_stays_zero():
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+    psh.add_hooks(model)
+    model["unused"].weight.grad = torch.zeros(2, 3)
+    model["unused"](torch.randn(4, 3))
+    model["used"](torch.randn(4, 3)).sum().backward()
+    psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+    assert torch.equal(model["unused"].weight.grad, torch.zeros(2, 3))
+    assert model["unused"].bias.grad is None
+
+
+def test_without_backward_raises():
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3))
+    with pytest.raises(psh.PerSampleHooksError, match="backward"):
+        psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("max_norm", [0, -1.0, float("nan"), float("inf"), "1", None, True])
+def test_bad_max_norm(max_norm):
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(ValueError, match="max_norm"):
+        psh.clip_grads(model, max_norm)
+    psh.remove_hooks(model)
+
+
+def test_non_finite_norms_name_the_samples_and_leave_grads():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    psh.add_hooks(model)
+    x = torch.randn(6, 3)
+    x[1, 0], x[4, 2] = float("nan"), float("inf")
+    model(x).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match=r"2 sample\(s\) \(indices 1, 4\)"):
+        psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+
+
+def test_parameter_outside_hooked_modules_is_refused():
+    class Extra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.lin2 = nn.Linear(2, 2)
+
+        def forward(self, x):  # lin2's weight is used outside lin2's forward
+            return self.lin(x) @ self.lin2.weight
+
+    model = Extra()
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="'weight' of 'lin2'.*outside"):
+        psh.clip_grads(model, 1.0)
+    psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_conv_each_path(loss_type, keep):
+    for make, shape in CONV_PATHS.values():
+        torch.manual_seed(0)
+        with keep_fraction(keep):
+            assert_clipping_matches(nn.Sequential(make(), nn.Tanh()), [torch.randn(shape)],
+                                    0.05, loss_type=loss_type)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dims=st.sampled_from([1, 2, 3]), loss_type=st.sampled_from(["mean", "sum"]))
+def test_conv_every_option(data, dims, loss_type):
+    conv, shape = data.draw(conv_setups(dims))
+    torch.manual_seed(0)
+    assert_clipping_matches(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)], 0.1,
+                            loss_type=loss_type)
+
+
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_conv_reuse(keep):
+    torch.manual_seed(0)
+    with keep_fraction(keep):
+        assert_clipping_matches(ReusedConv(2), [torch.randn(3, 3, 4, 4)], 0.1)
+
+
+def test_conv_channels_last_and_seed_001_cnn():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True),
+                          nn.Conv2d(4, 2, 3, stride=2))
+    x = torch.randn(3, 3, 6, 6).double().to(memory_format=torch.channels_last)
+    assert_clipping_matches(model, [x], 0.1)
+    inputs = [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])]
+    assert_clipping_matches(SeedCNNWithLoss(), inputs, 0.5, lambda losses: losses)
+
+
+@pytest.mark.parametrize("keep, kept", [(0.0, False), (1e9, True)])
+def test_keeping_materialized_grads_is_used(keep, kept):
+    """Guard that the KEEP_FRACTIONS grids exercise both ways of forming the clipped sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 2))
+    with keep_fraction(keep):
+        state = psh.add_hooks(model)
+        model(torch.randn(4, 2, 4, 4)).sum().backward()
+        psh.clip_grads(model, 0.1)
+        names = {name for _, name in state.buffers}
+        psh.remove_hooks(model)
+    assert ("kept weight" in names) == kept
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class ScaleRule(psh.Rule):
+    """A rule with grad1 only: norms and clipping come from the base-class defaults."""
+
+    def grad1(self, module, calls, scale, out):
+        for i, call in enumerate(calls):
+            g = (call.backprop() * call.activation()).flatten(1, -2).sum(1) * scale
+            out["w"].copy_(g) if i == 0 else out["w"].add_(g)
+
+
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_default_rule_clipping(keep, loss_type):
+    psh.register_rule(Scale)(ScaleRule())
+    torch.manual_seed(0)
+    model = nn.Sequential(Scale(), nn.Linear(3, 2))
+    with keep_fraction(keep):
+        assert_clipping_matches(model, [torch.randn(5, 2, 3)], 0.2, loss_type=loss_type)
+
+
+def test_conv_input_by_keyword():
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 2)
+
+        def forward(self, x):
+            return torch.tanh(self.conv(input=x))
+
+    torch.manual_seed(0)
+    assert_clipping_matches(Keyword(), [torch.randn(3, 2, 4, 4)], 0.1)
+
+
+@pytest.mark.parametrize("keep", KEEP_FRACTIONS)
+def test_conv_transpose_through_the_default_rule_methods(keep):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose2d(2, 4, 3, stride=2, groups=2), nn.Tanh(),
+                          nn.Conv2d(4, 2, 2))
+    with keep_fraction(keep):
+        assert_clipping_matches(model, [torch.randn(3, 2, 3, 3)], 0.1)
+    assert_norms_match(model, [torch.randn(3, 2, 3, 3)], loss_type="sum")

@@ -1,0 +1,302 @@
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from norms_truth import assert_norms_match, hooked_backward
+from test_conv import Reused as ReusedConv
+from test_conv import SeedCNNWithLoss, conv_setups
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import sum_of_outputs
+from per_sample_hooks.rules import conv as conv_rule
+from per_sample_hooks.rules import ghost
+
+METHODS = ["outer", "ghost", "materialize"]
+
+
+@contextmanager
+def chunk_elements(elements):
+    """Force the ghost / materialize paths to work in chunks of this many elements."""
+    old = ghost.CHUNK_ELEMENTS
+    ghost.CHUNK_ELEMENTS = elements
+    try:
+        yield
+    finally:
+        ghost.CHUNK_ELEMENTS = old
+
+
+def _shapes_for(method, draw):
+    """(T, d, p) for which Linear's automatic choice is ``method``."""
+    if method == "outer":
+        return 1, draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    if method == "ghost":
+        t = draw(st.integers(2, 3))
+        return t, draw(st.integers(2 * t + 1, 8)), draw(st.integers(2 * t + 1, 8))
+    t = draw(st.integers(3, 6))
+    return t, draw(st.integers(1, 3)), draw(st.integers(1, 3))
+
+
+@settings(max_examples=30, deadline=None)
+@given(method=st.sampled_from(METHODS), data=st.data(), batch=st.integers(1, 5),
+       bias=st.booleans(), loss_type=st.sampled_from(["mean", "sum"]),
+       chunk=st.sampled_from([1, 7, 1 << 20]))
+def test_linear_norms_each_path(method, data, batch, bias, loss_type, chunk):
+    t, d, p = _shapes_for(method, data.draw)
+    assert ghost.choose_method(t, d, p) == method
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, p, bias=bias), nn.Tanh(), nn.Linear(p, 2, bias=bias))
+    leading = (t,) if t > 1 or data.draw(st.booleans()) else ()
+    with chunk_elements(chunk):
+        assert_norms_match(model, [torch.randn(batch, *leading, d)], loss_type=loss_type)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 4), groups=st.integers(1, 3), t=st.integers(1, 5),
+       d=st.integers(1, 5), p=st.integers(1, 5), chunk=st.sampled_from([1, 5, 1 << 20]),
+       block=st.sampled_from([1, 2, 3, 64]))
+def test_weight_norm_methods_agree_with_materialized(batch, groups, t, d, p, chunk, block):
+    torch.manual_seed(1)
+    acts = torch.randn(batch, groups, t, d, dtype=torch.double)
+    grads = torch.randn(batch, groups, t, p, dtype=torch.double)
+    expected = torch.einsum("bgtp,bgtd->bgpd", grads, acts).flatten(1).pow(2).sum(1)
+    old_block, ghost.GHOST_BLOCK = ghost.GHOST_BLOCK, block
+    assert len(ghost.position_blocks(t)) == -(-t // block)
+    with chunk_elements(chunk):
+        for method in ["ghost", "materialize"] + (["outer"] if t == 1 else []):
+            got = ghost.weight_norms_squared(acts, grads, method)
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    ghost.GHOST_BLOCK = old_block
+    bias = ghost.bias_norms_squared(grads)
+    torch.testing.assert_close(bias, grads.sum(2).flatten(1).pow(2).sum(1))
+
+
+def test_seed_003_mlp_sum_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Linear(32, 32), nn.Linear(32, 10))
+    assert_norms_match(model, [torch.randn(16, 10)], sum_of_outputs, loss_type="sum")
+
+
+class Reused(nn.Module):
+    """One Linear applied three times: the norm of the summed contribution (cross terms)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(self.lin(h) + self.lin(x * 2))
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("shape", [(6, 4), (6, 3, 4), (5, 2, 8)])
+def test_reuse_includes_cross_terms(loss_type, shape):
+    torch.manual_seed(0)
+    total = assert_norms_match(Reused(shape[-1]), [torch.randn(*shape)], loss_type=loss_type)
+    assert total.shape == (shape[0],)
+
+
+def test_reuse_differs_from_sum_of_norms():
+    """Guard that the reuse test can fail: summing per-call norms gives another number."""
+    torch.manual_seed(0)
+    model = Reused().double()
+    x = torch.randn(5, 4, dtype=torch.double)
+    hooked_backward(model, [x])
+    total = psh.compute_norms(model, per_param=True)["lin.weight"]
+    state = psh.add_hooks(model)
+    calls = state.calls[model.lin]
+    rule = state.rules[model.lin]
+    separate = sum(rule.norms_squared(model.lin, [c], 5.0, ["weight"])["weight"].sqrt()
+                   for c in calls)
+    psh.remove_hooks(model)
+    assert not torch.allclose(total, separate)
+
+
+def test_frozen_parameters_are_left_out():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    assert_norms_match(model, [torch.randn(7, 5)])
+    model = model.double()
+    hooked_backward(model, [torch.randn(7, 5, dtype=torch.double)])
+    assert set(psh.compute_norms(model, per_param=True)) == {"0.weight", "2.bias"}
+    psh.remove_hooks(model)
+
+
+def test_unused_branch_has_zero_norm():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x):
+            self.unused(x)
+            return self.used(x)
+
+    model = TwoHeads().double()
+    hooked_backward(model, [torch.randn(4, 3, dtype=torch.double)])
+    norms = psh.compute_norms(model, per_param=True)
+    psh.remove_hooks(model)
+    assert torch.equal(norms["unused.weight"], torch.zeros(4, dtype=torch.double))
+    torch.manual_seed(0)
+    assert_norms_match(TwoHeads(), [torch.randn(4, 3)])
+
+
+def test_batch_dim_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x = torch.randn(6, 4, 5, dtype=torch.double)
+    hooked_backward(model, [x], loss_fn=lambda out: (out ** 2).sum(), loss_type="sum",
+                    batch_dim=1)
+    norms = psh.compute_norms(model, loss_type="sum")
+    psh.compute_grad1(model, loss_type="sum")
+    expected = torch.cat([p.grad1.flatten(1) for p in model.parameters()], 1).norm(dim=1)
+    psh.remove_hooks(model)
+    assert norms.shape == (4,)
+    torch.testing.assert_close(norms, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_default_rule_path_materializes_one_parameter():
+    """A rule with only grad1 gets norms and weighted sums from the base-class defaults."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    registry = psh.RuleRegistry()
+    registry.register(nn.Linear, psh.rules.default_registry.lookup(nn.Linear(1, 1)))
+
+    class ScaleRule(psh.Rule):
+        def grad1(self, module, calls, scale, out):
+            for i, call in enumerate(calls):
+                g = (call.backprop() * call.activation()).flatten(1, -2).sum(1) * scale
+                out["w"].copy_(g) if i == 0 else out["w"].add_(g)
+
+    registry.register(Scale, ScaleRule())
+    torch.manual_seed(0)
+    model = nn.Sequential(Scale(), nn.Linear(3, 2)).double()
+    x = torch.randn(5, 2, 3, dtype=torch.double)
+    psh.add_hooks(model, registry=registry)
+    model(x).pow(2).sum().backward()
+    norms = psh.compute_norms(model, loss_type="sum", per_param=True)
+    psh.compute_grad1(model, loss_type="sum")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(norms[name], p.grad1.flatten(1).norm(dim=1))
+    psh.remove_hooks(model)
+
+
+def test_without_backward_raises():
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    with torch.no_grad():
+        model(torch.randn(4, 3))
+    with pytest.raises(psh.PerSampleHooksError, match="backward"):
+        psh.compute_norms(model)
+    psh.remove_hooks(model)
+
+
+def test_non_finite_norms_name_the_samples():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    psh.add_hooks(model)
+    x = torch.randn(5, 3)
+    x[3, 0] = float("inf")
+    model(x).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match=r"indices 3\b"):
+        psh.compute_norms(model)
+    psh.remove_hooks(model)
+
+
+def test_tied_parameters_across_modules_are_refused():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="tied"):
+        psh.compute_norms(model)
+    psh.remove_hooks(model)
+
+
+# ---- convolutions: the Linear paths per group on the unfolded form ----
+
+CONV_PATHS = {  # (conv, input shape) whose single call takes the named path
+    "outer": (lambda: nn.Conv2d(2, 3, 3), (3, 2, 3, 3)),
+    "ghost": (lambda: nn.Conv2d(3, 8, 3, groups=1), (3, 3, 4, 4)),
+    "ghost-groups": (lambda: nn.Conv1d(4, 8, 5, groups=2, padding=1), (3, 4, 4)),
+    "materialize": (lambda: nn.Conv2d(2, 2, 2, stride=1, padding=1, padding_mode="reflect"),
+                    (3, 2, 5, 5)),
+    "materialize-depthwise": (lambda: nn.Conv2d(3, 6, 3, groups=3, dilation=2), (2, 3, 7, 7)),
+}
+
+
+def _conv_method(conv, shape):
+    out = conv(torch.randn(shape))
+    positions = out[0, 0].numel()
+    return ghost.choose_method(positions, conv.weight[0].numel(), conv.out_channels // conv.groups)
+
+
+@pytest.mark.parametrize("path", CONV_PATHS)
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [1, 1 << 20])
+def test_conv_norms_each_path(path, loss_type, chunk):
+    make, shape = CONV_PATHS[path]
+    torch.manual_seed(0)
+    conv = make()
+    assert _conv_method(conv, shape) == path.split("-")[0]
+    old = conv_rule.PATCH_CHUNK_ELEMENTS
+    conv_rule.PATCH_CHUNK_ELEMENTS = chunk
+    try:
+        with chunk_elements(chunk):
+            assert_norms_match(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)],
+                               loss_type=loss_type)
+    finally:
+        conv_rule.PATCH_CHUNK_ELEMENTS = old
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dims=st.sampled_from([1, 2]), loss_type=st.sampled_from(["mean", "sum"]))
+def test_conv_norms_every_option(data, dims, loss_type):
+    conv, shape = data.draw(conv_setups(dims))
+    torch.manual_seed(0)
+    assert_norms_match(nn.Sequential(conv, nn.Tanh()), [torch.randn(shape)],
+                       loss_type=loss_type)
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_conv_reuse(loss_type):
+    torch.manual_seed(0)
+    assert_norms_match(ReusedConv(2), [torch.randn(3, 3, 4, 4)], loss_type=loss_type)
+
+
+def test_seed_001_cnn():
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, 1, 28, 28), torch.tensor([3, 1, 7])]
+    assert_norms_match(SeedCNNWithLoss(), inputs, lambda losses: losses)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 4), t=st.integers(1, 6), vocab=st.integers(1, 5),
+       d=st.integers(1, 4), padding=st.booleans())
+def test_embedding_norms_and_weighted_sum_against_dense(batch, t, vocab, d, padding):
+    torch.manual_seed(2)
+    tokens = torch.randint(vocab, (batch, t))
+    grads = torch.randn(batch, t, d, dtype=torch.double)
+    padding_idx = 0 if padding else None
+    one_hot = torch.nn.functional.one_hot(tokens, vocab).double()
+    if padding:
+        one_hot[..., 0] = 0
+    dense = torch.einsum("btv,btd->bvd", one_hot, grads)  # per-sample table gradients
+    got = ghost.embedding_norms_squared(tokens, grads, vocab, padding_idx)
+    torch.testing.assert_close(got, dense.flatten(1).pow(2).sum(1), rtol=1e-10, atol=1e-12)
+    weights = torch.rand(batch, dtype=torch.double)
+    out = torch.full((vocab, d), float("nan"), dtype=torch.double)
+    ghost.weighted_embedding_sum(out, tokens, grads, weights, padding_idx)
+    torch.testing.assert_close(out, torch.einsum("b,bvd->vd", weights, dense))
