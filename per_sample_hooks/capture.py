@@ -79,28 +79,6 @@ class Call:
                 if v is not None and a._version != v]
 
 
-def capture_gradient(leaf: Tensor, sink: list[Tensor]) -> None:
-    """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass).
-
-    A pre-hook on the autograd node that produced ``leaf``, at ``leaf``'s output slot: what
-    ``leaf.register_hook`` does, at a third of its cost. Like a tensor hook it sees the gradient
-    of the value the module returned, even when an in-place op (``ReLU(inplace=True)``) later
-    changes ``leaf``.
-    """
-    node = leaf.grad_fn
-    if node is None:  # a leaf tensor returned as is
-        leaf.register_hook(sink.append)
-        return
-    slot = leaf.output_nr
-
-    def pre_hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-        grad = grad_outputs[slot]
-        if grad is not None:
-            sink.append(grad)
-
-    node.register_prehook(pre_hook)
-
-
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
@@ -149,7 +127,9 @@ class HookState:
             call = Call(args, kwargs, len(leaves), batch_dim, module.training)
             for grads, leaf in zip(call.grads, leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    capture_gradient(leaf, grads)
+                    # A tensor hook, not a pre-hook on leaf.grad_fn: it also fires when the
+                    # output itself is an ``inputs=`` edge of autograd.grad (dp.OutputEdges).
+                    leaf.register_hook(grads.append)
             calls.append(call)
         return forward_hook
 
