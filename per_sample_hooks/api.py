@@ -129,7 +129,7 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
                     "the input")
         with_grads = [c for c in calls if c.has_grads]
         for call in with_grads:
-            sizes.setdefault(call.batch_size, name)
+            sizes.setdefault(rule.batch_size(module, call), name)
         layers.append(LayerWork(module, name, rule, with_grads, _trainable(module)))
     if not sizes:
         raise PerSampleHooksError(

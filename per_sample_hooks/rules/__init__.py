@@ -1,5 +1,8 @@
 """Built-in rules, one file per layer family. Importing this package registers them."""
-from . import conv, conv_transpose, linear  # noqa: F401
+from . import conv  # noqa: F401
+from . import conv_transpose  # noqa: F401
+from . import linear  # noqa: F401
+from . import recurrent  # noqa: F401
 from .base import Rule, RuleRegistry, default_registry, register_rule
 
 __all__ = ["Rule", "RuleRegistry", "default_registry", "register_rule"]

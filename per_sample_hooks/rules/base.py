@@ -35,6 +35,11 @@ class Rule:
         """
         raise NotImplementedError
 
+    def batch_size(self, module: nn.Module, call: Call) -> int:
+        """The batch size of one call; override for inputs ``Call.batch_size`` cannot read
+        (a ``PackedSequence``, a batch that is not at ``batch_dim`` by the module's own layout)."""
+        return call.batch_size
+
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
         cannot give exact per-sample quantities (``name`` is the module's path)."""
