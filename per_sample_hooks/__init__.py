@@ -14,6 +14,7 @@ from .errors import PerSampleHooksError, UnsupportedModuleError
 from .rules import Rule, RuleRegistry, register_rule
 from .rules.conv import conv_output_grads, conv_patches
 from .rules.conv_transpose import conv_transpose_inputs, conv_transpose_patches
+from .rules.fallback import FallbackRule, Layout, register_layout
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,5 @@ __all__ = [
     "clear_backprops", "compute_grad1", "per_sample_parameters", "register_rule", "Rule",
     "RuleRegistry", "Call", "HookState", "PerSampleHooksError", "UnsupportedModuleError",
     "conv_patches", "conv_output_grads", "conv_transpose_patches", "conv_transpose_inputs",
+    "FallbackRule", "Layout", "register_layout",
 ]

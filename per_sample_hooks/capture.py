@@ -101,6 +101,12 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor]) -> None:
     node.register_prehook(pre_hook)
 
 
+def _inside_torch_func() -> bool:
+    """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
+    module's forward, or the user's own transforms) are not steps and are not recorded."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
@@ -122,6 +128,9 @@ class HookState:
         self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
         self.handles: list[Any] = []
         self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
+        self.unseen: Any = None  # the unseen-use check set by add_hooks; opaque to capture
+        self.units: set[nn.Module] = set()  # modules whose grad1 covers their children's params
+        self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         for module, (_, batch_dim) in modules.items():
             hook = self._make_forward_hook(self.calls[module], batch_dim)
             self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -133,7 +142,7 @@ class HookState:
 
     def _make_forward_hook(self, calls: list[Call], batch_dim: int) -> Callable:
         def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self.enabled or not torch.is_grad_enabled():
+            if not self.enabled or not torch.is_grad_enabled() or _inside_torch_func():
                 return
             if isinstance(output, Tensor):
                 if not output.requires_grad:
@@ -157,6 +166,8 @@ class HookState:
         """Forget every captured call (buffers stay for reuse)."""
         for calls in self.calls.values():
             calls.clear()
+        for reset in self.on_clear:
+            reset()
         self.consumed = False
 
     def remove(self) -> None:
@@ -167,7 +178,7 @@ class HookState:
         self.clear()
         self.buffers.clear()
         for module in self.modules:
-            for p in module.parameters(recurse=False):
+            for p in module.parameters(recurse=module in self.units):
                 for attribute in ("grad1", "hess"):
                     if hasattr(p, attribute):
                         delattr(p, attribute)

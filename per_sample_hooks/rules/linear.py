@@ -5,12 +5,13 @@ per-sample weight gradient ``G_b^T A_b`` (``[B, p, d]``), bias ``G_b.sum(T)``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..capture import Call
+from ..unseen import Probe
 from .base import Rule, register_rule
 
 
@@ -73,3 +74,21 @@ class LinearRule(Rule):
                 add_outer_products(weight, grads, acts, scale, i > 0)
             if bias is not None:
                 add_position_sums(bias, grads, scale, i > 0)
+
+    def probe(self, module: nn.Linear, calls: Sequence[Call], probes: Mapping[str, Probe],
+              scale: float, out: Mapping[str, Tensor] | None = None
+              ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``u^T (sum_b G_b^T A_b) v = sum_{b,t} (G u)(A v)``: ``O(B T (p + d))``."""
+        result: dict[str, tuple[Tensor, Tensor]] = {}
+        for call in calls:
+            grads = flatten_positions(call.backprop())
+            for name, (u, v) in probes.items():
+                if name == "weight":
+                    terms = (grads @ u.t()) * (flatten_positions(call.activation()) @ v.t())
+                else:  # bias [p] seen as [p, 1]
+                    terms = (grads @ u.t()) * v.t()
+                value, rounding = terms.sum((0, 1)), terms.abs().sum((0, 1))
+                if name in result:
+                    value, rounding = value + result[name][0], rounding + result[name][1]
+                result[name] = (value, rounding)
+        return result
