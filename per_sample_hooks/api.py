@@ -121,6 +121,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     state = HookState(model, modules)
     state.rules = rules
     state.units = unit_modules
+    state.isolate_outputs = unit_modules
     if check_unseen:
         state.unseen = UnseenUseCheck(state, owners)
     model.__dict__[STATE_ATTRIBUTE] = state

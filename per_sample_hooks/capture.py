@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import PerSampleHooksError
 
@@ -101,6 +101,10 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor]) -> None:
     node.register_prehook(pre_hook)
 
 
+def _isolated(leaf: object) -> object:
+    return leaf.clone() if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
+
+
 def _inside_torch_func() -> bool:
     """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
     module's forward, or the user's own transforms) are not steps and are not recorded."""
@@ -130,6 +134,9 @@ class HookState:
         self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
         self.unseen: Any = None  # the unseen-use check set by add_hooks; opaque to capture
         self.units: set[nn.Module] = set()  # modules whose grad1 covers their children's params
+        # modules whose tensor outputs may be computed from one another: each is returned as a
+        # copy, so that its captured gradient is the one from outside the module only
+        self.isolate_outputs: set[nn.Module] = set()
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         for module, (_, batch_dim) in modules.items():
             hook = self._make_forward_hook(self.calls[module], batch_dim)
@@ -141,7 +148,7 @@ class HookState:
         return self._model_ref()
 
     def _make_forward_hook(self, calls: list[Call], batch_dim: int) -> Callable:
-        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if not self.enabled or not torch.is_grad_enabled() or _inside_torch_func():
                 return
             if isinstance(output, Tensor):
@@ -149,9 +156,12 @@ class HookState:
                     return
                 leaves = (output,)
             else:
-                leaves = tree_flatten(output)[0]
+                leaves, spec = tree_flatten(output)
                 if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
                     return
+                if module in self.isolate_outputs:
+                    leaves = [_isolated(t) for t in leaves]
+                    output = tree_unflatten(leaves, spec)
             if self.consumed:
                 self.clear()
             args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
@@ -160,6 +170,7 @@ class HookState:
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
                     capture_gradient(leaf, grads)
             calls.append(call)
+            return output
         return forward_hook
 
     def clear(self) -> None:
