@@ -13,7 +13,8 @@ them, drawn fresh each step from a private generator; ``p`` seen as a ``[n0, n1]
   each rule computes from its captured pairs (:meth:`Rule.probe`; for Linear
   ``sum_{b,t} (G u)(A v)``, ``O(B T (p + d))``).
 
-A term missing from the hooked sum shows up as a difference far above rounding. Cost per step:
+A term missing from the hooked sum shows up as a difference far above rounding (thresholds in
+:func:`relative_tolerance`: 10% of the projection in float32, 1e-6 in float64). Cost per step:
 one matrix-vector product over each parameter (``O(P)``, not ``O(B P)``) plus the rules' probes;
 a rule without a cheap probe reads its own per-sample gradients once. A parameter whose
 gradient autograd did not compute this step (``torch.autograd.grad`` for inputs only) is not
@@ -56,7 +57,12 @@ def project_samples(per_sample: Tensor, probe: Probe) -> tuple[Tensor, Tensor]:
 
 
 def relative_tolerance(dtype: torch.dtype) -> float:
-    return {torch.float64: 1e-8, torch.float32: 1e-3}.get(dtype, 5e-2)
+    """Gap between total and hooked sum, relative to their size, above which a term is missing.
+
+    Both sides are rounded differently (batched autograd vs the rules' math); in float32 a badly
+    scaled model (saturated attention, large inputs) showed gaps of 5% with no missing term, so
+    the float32 threshold is 10%: terms below that fraction of a gradient may go unreported."""
+    return {torch.float64: 1e-6, torch.float32: 1e-1}.get(dtype, 0.5)
 
 
 class UnseenUseCheck:
