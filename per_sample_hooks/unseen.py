@@ -45,7 +45,7 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int]:
 def project(t: Tensor, probe: Probe) -> Tensor:
     """``u_k^T t v_k`` for ``t [..., n0, n1]`` and each probe ``k``: ``[..., N_PROBES]``."""
     u, v = probe
-    return (torch.matmul(t, v.t()) * u.t()).sum(-2)
+    return (torch.matmul(v, t.transpose(-1, -2)) * u).sum(-1)
 
 
 def project_samples(per_sample: Tensor, probe: Probe) -> tuple[Tensor, Tensor]:

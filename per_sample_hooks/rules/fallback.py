@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +45,8 @@ class Layout:
     kwargs: dict[str, Spec]
     outputs: list[Spec]
     batch_size: int
+    #: keyword arguments replaced in the re-run (same values, a path ``vmap`` batches better)
+    rerun_kwargs: dict[str, object] = field(default_factory=dict)
 
 
 LayoutFn = Callable[[nn.Module, Call], Layout]
@@ -122,7 +124,12 @@ def attention_layout(module: nn.MultiheadAttention, call: Call) -> Layout:
     batch_size = arguments["query"].shape[dim]
     table = {"query": dim, "key": dim, "value": dim, "key_padding_mask": 0,
              "attn_mask": _mask_spec(arguments.get("attn_mask"), dim, batch_size)}
-    return _named_layout(module, call, table, [dim, 0], batch_size)
+    layout = _named_layout(module, call, table, [dim, 0], batch_size)
+    # need_weights=True takes the explicit softmax(QK^T)V path, which vmap batches; the fused
+    # scaled_dot_product_attention has no batching rule on CPU (a slow per-sample fallback).
+    # The output leaves keep their positions: (out, None) becomes (out, weights).
+    layout.rerun_kwargs["need_weights"] = True
+    return layout
 
 
 def _transformer_layout(module: nn.Module, call: Call, sequences: Sequence[str],
@@ -158,6 +165,14 @@ def _split(value: object, spec: Spec, batch_size: int) -> tuple[object, int | No
 def _per_sample(value: Tensor, spec: Spec) -> Tensor:
     """Inside ``vmap``: give the sample back a batch dim of size 1 (none for HEADS)."""
     return value if spec == HEADS else value.unsqueeze(spec)
+
+
+def _rerun_overrides(module: nn.Module, call: Call, layout: Layout) -> dict[str, object]:
+    """``layout.rerun_kwargs`` for arguments not given positionally."""
+    if not layout.rerun_kwargs:
+        return {}
+    names = list(inspect.signature(module.forward).parameters)[:len(call.args)]
+    return {k: v for k, v in layout.rerun_kwargs.items() if k not in names}
 
 
 def unit_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -237,12 +252,14 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         arg_specs.append(spec)
         in_dims.append(dim if isinstance(split, Tensor) else None)
     n_args, keys = len(call.args), list(call.kwargs)
+    rerun_kwargs = _rerun_overrides(module, call, layout)
     frozen = {n: p.detach() for n, p in params.items() if n not in names}
     trainable = {n: params[n].detach() for n in names}
 
     def sample_grads(values: list, grads: list) -> tuple[Tensor, ...]:
         values = [_per_sample(v, s) if s is not None else v for v, s in zip(values, arg_specs)]
         args, kwargs = values[:n_args], dict(zip(keys, values[n_args:]))
+        kwargs.update(rerun_kwargs)
 
         def forward(weights: dict[str, Tensor]) -> list[Tensor]:
             output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),

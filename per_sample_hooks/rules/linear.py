@@ -81,13 +81,15 @@ class LinearRule(Rule):
         """``u^T (sum_b G_b^T A_b) v = sum_{b,t} (G u)(A v)``: ``O(B T (p + d))``."""
         result: dict[str, tuple[Tensor, Tensor]] = {}
         for call in calls:
-            grads = flatten_positions(call.backprop())
+            grads = call.backprop()
+            grads = grads.reshape(-1, grads.shape[-1])  # [B*T, p]
             for name, (u, v) in probes.items():
                 if name == "weight":
-                    terms = (grads @ u.t()) * (flatten_positions(call.activation()) @ v.t())
+                    acts = call.activation()
+                    terms = (u @ grads.t()) * (v @ acts.reshape(-1, acts.shape[-1]).t())
                 else:  # bias [p] seen as [p, 1]
-                    terms = (grads @ u.t()) * v.t()
-                value, rounding = terms.sum((0, 1)), terms.abs().sum((0, 1))
+                    terms = (u @ grads.t()) * v
+                value, rounding = terms.sum(-1), terms.abs().sum(-1)
                 if name in result:
                     value, rounding = value + result[name][0], rounding + result[name][1]
                 result[name] = (value, rounding)
