@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, live_states
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .rules import Rule, RuleRegistry, default_registry
+from .rules.fallback import FallbackRule, unit_parameters
+from .unseen import UnseenUseCheck
 
 LossType = Literal["mean", "sum"]
 
@@ -23,36 +25,119 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
 
 
-def add_hooks(model: nn.Module, *, batch_dim: int = 0,
+def _owned(state: HookState, module: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too)."""
+    return unit_parameters(module) if module in state.units else _trainable(module)
+
+
+fallback_rule = FallbackRule()
+
+
+BatchDims = int | Mapping[nn.Module | str, int]
+
+
+def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, nn.Module], int]:
+    """``batch_dim`` as ``(qualified name, module) -> int``: an int for every module, or a
+    mapping from modules or qualified names ("" is the model) to the batch dim of that module
+    and its descendants (the deepest entry wins; modules under no entry: 0)."""
+    if isinstance(batch_dim, int):
+        return lambda name, module: batch_dim
+    names = {m: n for n, m in model.named_modules()}
+    table: dict[str, int] = {}
+    for key, dim in batch_dim.items():
+        name = names.get(key) if isinstance(key, nn.Module) else key
+        if name is None or name not in names.values():
+            raise ValueError(f"add_hooks: batch_dim names {key!r}, which is not a submodule of "
+                             f"{type(model).__name__}; use a module or a name from "
+                             "model.named_modules()")
+        table[name] = dim
+
+    def lookup(name: str, module: nn.Module) -> int:
+        parts = name.split(".") if name else []
+        for end in range(len(parts), -1, -1):
+            prefix = ".".join(parts[:end])
+            if prefix in table:
+                return table[prefix]
+        return 0
+    return lookup
+
+
+def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = True,
+              units: Iterable[nn.Module | str] = (), check_unseen: bool = True,
               registry: RuleRegistry = default_registry) -> HookState:
     """Instrument every submodule of ``model`` that has parameters of its own.
 
+    A module with trainable parameters of its own and no rule is handled by the ``torch.func``
+    fallback as one *unit* with everything below it (its children are not hooked separately:
+    its forward may use their parameters directly, as ``nn.MultiheadAttention`` does with
+    ``out_proj``). ``units`` forces that treatment for given modules or qualified names (a
+    module whose forward uses a child's weight, e.g. a tied output layer ``h @ emb.weight.t()``).
+    With ``fallback=False`` such modules raise :class:`UnsupportedModuleError` instead.
+
+    ``batch_dim``: where the batch is in the inputs and outputs of each module: an int for all,
+    or ``{module or qualified name: int}`` applying to that module and its descendants (others:
+    0). Attention, transformer and recurrent layers read it from their ``batch_first``.
+
+    ``check_unseen``: detect parameter uses outside their module's forward (raise rather than
+    return per-sample gradients that miss a term; see :mod:`per_sample_hooks.unseen`).
+
     Returns the model's hook state, also a context manager: ``with add_hooks(model): ...``
     removes the hooks on exit. Calling it again on a hooked model returns the same state.
-    Raises :class:`UnsupportedModuleError` for a module with trainable parameters and no rule.
     """
     state = model.__dict__.get(STATE_ATTRIBUTE)
     if state is not None:
         return state
-    modules, rules = {}, {}
+    dim_of = _batch_dim_lookup(model, batch_dim)
+    forced = _resolve_units(model, units)
+    modules, rules, unit_modules, owners = {}, {}, set(), {}
+    inside: set[nn.Module] = set()  # descendants of a unit
     for name, module in model.named_modules():
-        rule = registry.lookup(module)
+        if module in inside:
+            continue
+        label = name or type(model).__name__
+        rule = None if module in forced else registry.lookup(module)
         has_parameters = next(module.parameters(recurse=False), None) is not None
         if rule is None:
-            if _trainable(module):
+            if not (_trainable(module) or module in forced):
+                continue
+            if not fallback:
                 raise UnsupportedModuleError(
-                    f"module '{name or type(model).__name__}' of type {type(module).__name__} has "
-                    f"trainable parameters ({', '.join(_trainable(module))}) but no per-sample "
-                    "rule: register one with @per_sample_hooks.register_rule("
-                    f"{type(module).__name__}), or freeze its parameters")
+                    f"module '{label}' of type {type(module).__name__} has trainable "
+                    f"parameters ({', '.join(_trainable(module))}) but no per-sample rule, and "
+                    "the fallback is off: register one with @per_sample_hooks.register_rule("
+                    f"{type(module).__name__}), freeze its parameters, or use "
+                    "add_hooks(model, fallback=True)")
+            rule = fallback_rule
+            unit_modules.add(module)
+            inside.update(module.modules())
+        elif not (has_parameters or rule.observe_without_parameters):
             continue
-        if has_parameters or rule.observe_without_parameters:
-            modules[module] = (name or type(model).__name__, batch_dim)
-            rules[module] = rule
+        modules[module] = (label, dim_of(name, module))
+        rules[module] = rule
+        prefix = f"{name}." if name else ""
+        for n, p in module.named_parameters(recurse=module in unit_modules):
+            if p.requires_grad:
+                owners.setdefault(p, f"{prefix}{n}")
     state = HookState(model, modules)
     state.rules = rules
+    state.units = unit_modules
+    state.isolate_outputs = unit_modules
+    if check_unseen:
+        state.unseen = UnseenUseCheck(state, owners)
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
+
+
+def _resolve_units(model: nn.Module, units: Iterable[nn.Module | str]) -> set[nn.Module]:
+    named = dict(model.named_modules())
+    resolved = set()
+    for unit in units:
+        module = named.get(unit) if isinstance(unit, str) else unit
+        if module is None or all(module is not m for m in named.values()):
+            raise ValueError(f"add_hooks: units names {unit!r}, which is not a submodule of "
+                             f"{type(model).__name__}")
+        resolved.add(module)
+    return resolved
 
 
 def remove_hooks(model: nn.Module) -> None:
@@ -78,9 +163,14 @@ def enable_hooks(model: nn.Module | None = None) -> None:
         state.enabled = True
 
 
-def is_supported(module: nn.Module, registry: RuleRegistry = default_registry) -> bool:
-    """Whether ``module``'s own parameters get exact per-sample quantities."""
-    return registry.lookup(module) is not None
+def is_supported(module: nn.Module, registry: RuleRegistry = default_registry, *,
+                 fallback: bool = True) -> bool:
+    """Whether ``module``'s own parameters get exact per-sample quantities: by a rule, or by the
+    ``torch.func`` fallback (unless ``fallback=False``). False for a module with no rule and no
+    parameters of its own (nothing to compute)."""
+    if registry.lookup(module) is not None:
+        return True
+    return fallback and next(module.parameters(recurse=False), None) is not None
 
 
 def clear_backprops(model: nn.Module) -> None:
@@ -130,7 +220,7 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
         with_grads = [c for c in calls if c.has_grads]
         for call in with_grads:
             sizes.setdefault(rule.batch_size(module, call), name)
-        layers.append(LayerWork(module, name, rule, with_grads, _trainable(module)))
+        layers.append(LayerWork(module, name, rule, with_grads, _owned(state, module)))
     if not sizes:
         raise PerSampleHooksError(
             f"{caller}: no output gradient was captured since the hooks were added or last "
@@ -162,14 +252,13 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     persistent buffers, overwritten by the next call: clone them to keep them.
     """
     state, step = prepare_step(model, loss_type, "compute_grad1")
+    first_buffer: dict[nn.Parameter, Tensor] = {}  # a parameter shared by modules: summed here
+    projections = UnseenProjections(state)
     for layer in step.layers:
         out = {}
-        for name, p, buf in _parameter_buffers(state, layer, step.batch_size):
-            out[name] = p.grad1 = buf
-        if len(out) < len(layer.module._parameters):  # frozen since the last step: no grad1
-            for p in layer.module._parameters.values():
-                if p is not None and not p.requires_grad and hasattr(p, "grad1"):
-                    del p.grad1
+        for name, _, buf in _parameter_buffers(state, layer, step.batch_size):
+            out[name] = buf
+        _drop_frozen_grad1(state, layer.module)
         if not out:
             continue
         if layer.calls:
@@ -177,12 +266,61 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
         else:  # the module's output did not reach the loss: its per-sample gradients are zero
             for buf in out.values():
                 buf.zero_()
+        projections.add(layer, step.scale, out)
+        for name, buf in out.items():
+            p = layer.parameters[name]
+            first = first_buffer.setdefault(p, buf)
+            if first is buf:
+                p.grad1 = buf
+            else:
+                first.add_(buf)
+    projections.verify()
+
+
+def _drop_frozen_grad1(state: HookState, module: nn.Module) -> None:
+    """Parameters frozen since an earlier step lose their ``grad1``."""
+    params = module.parameters(recurse=module in state.units)
+    for p in params:
+        if not p.requires_grad and hasattr(p, "grad1"):
+            del p.grad1
+
+
+class UnseenProjections:
+    """Collects, layer by layer, the rules' projections for the unseen-use check of one step."""
+
+    def __init__(self, state: HookState):
+        self.check = state.unseen
+        self.hooked: dict[nn.Parameter, tuple[Tensor, Tensor]] = {}
+        self.users: dict[nn.Parameter, list[str]] = {}
+
+    def add(self, layer: LayerWork, scale: float, out: Mapping[str, Tensor] | None) -> None:
+        """Project ``layer``'s contributions (from ``out``, its per-sample gradients, if given)."""
+        if self.check is None:
+            return
+        for p in layer.parameters.values():
+            self.users.setdefault(p, []).append(layer.name)
+        probes = self.check.probes_for(layer.parameters)
+        if not probes or not layer.calls:
+            return
+        for n, (value, rounding) in layer.rule.probe(layer.module, layer.calls, probes, scale,
+                                                     out).items():
+            p = layer.parameters[n]
+            if p in self.hooked:
+                value, rounding = value + self.hooked[p][0], rounding + self.hooked[p][1]
+            self.hooked[p] = (value, rounding)
+
+    def verify(self) -> None:
+        if self.check is not None:
+            self.check.verify(self.hooked, self.users)
 
 
 def per_sample_parameters(model: nn.Module) -> Sequence[nn.Parameter]:
     """The parameters that receive ``grad1``: trainable parameters of hooked modules."""
     state = get_state(model)
-    return [p for module in state.modules for p in _trainable(module).values()]
+    seen: dict[nn.Parameter, None] = {}
+    for module in state.modules:
+        seen.update(dict.fromkeys(_owned(state, module).values()))
+    return list(seen)
 
 
 __all__ = [

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import PerSampleHooksError
 
@@ -79,6 +79,16 @@ class Call:
                 if v is not None and a._version != v]
 
 
+def _isolated(leaf: object) -> object:
+    return leaf.clone() if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
+
+
+def _inside_torch_func() -> bool:
+    """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
+    module's forward, or the user's own transforms) are not steps and are not recorded."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
@@ -100,6 +110,12 @@ class HookState:
         self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
         self.handles: list[Any] = []
         self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
+        self.unseen: Any = None  # the unseen-use check set by add_hooks; opaque to capture
+        self.units: set[nn.Module] = set()  # modules whose grad1 covers their children's params
+        # modules whose tensor outputs may be computed from one another: each is returned as a
+        # copy, so that its captured gradient is the one from outside the module only
+        self.isolate_outputs: set[nn.Module] = set()
+        self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         for module, (_, batch_dim) in modules.items():
             hook = self._make_forward_hook(self.calls[module], batch_dim)
             self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -110,17 +126,20 @@ class HookState:
         return self._model_ref()
 
     def _make_forward_hook(self, calls: list[Call], batch_dim: int) -> Callable:
-        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self.enabled or not torch.is_grad_enabled():
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if not self.enabled or not torch.is_grad_enabled() or _inside_torch_func():
                 return
             if isinstance(output, Tensor):
                 if not output.requires_grad:
                     return
                 leaves = (output,)
             else:
-                leaves = tree_flatten(output)[0]
+                leaves, spec = tree_flatten(output)
                 if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
                     return
+                if module in self.isolate_outputs:
+                    leaves = [_isolated(t) for t in leaves]
+                    output = tree_unflatten(leaves, spec)
             if self.consumed:
                 self.clear()
             args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
@@ -131,12 +150,15 @@ class HookState:
                     # output itself is an ``inputs=`` edge of autograd.grad (dp.OutputEdges).
                     leaf.register_hook(grads.append)
             calls.append(call)
+            return output
         return forward_hook
 
     def clear(self) -> None:
         """Forget every captured call (buffers stay for reuse)."""
         for calls in self.calls.values():
             calls.clear()
+        for reset in self.on_clear:
+            reset()
         self.consumed = False
 
     def remove(self) -> None:
@@ -147,7 +169,7 @@ class HookState:
         self.clear()
         self.buffers.clear()
         for module in self.modules:
-            for p in module.parameters(recurse=False):
+            for p in module.parameters(recurse=module in self.units):
                 for attribute in ("grad1", "hess"):
                     if hasattr(p, attribute):
                         delattr(p, attribute)

@@ -178,7 +178,8 @@ def test_no_grad_forward_is_not_captured():
 def test_is_supported():
     assert psh.is_supported(nn.Linear(2, 3))
     assert psh.is_supported(nn.Linear(2, 3, bias=False))
-    assert not psh.is_supported(nn.Bilinear(2, 2, 3))
+    assert psh.is_supported(nn.Bilinear(2, 2, 3))  # by the torch.func fallback
+    assert not psh.is_supported(nn.Bilinear(2, 2, 3), fallback=False)
     assert not psh.is_supported(nn.ReLU())  # no parameters: nothing to compute
 
 
@@ -252,7 +253,8 @@ def test_private_registry_leaves_the_default_alone():
     registry = psh.RuleRegistry()
     psh.register_rule(Doubler, registry)(AffineRule)
     assert psh.is_supported(Doubler(2, 2), registry)
-    assert not psh.is_supported(Doubler(2, 2))  # overrides forward: Linear's rule does not apply
+    # overrides forward: Linear's rule does not apply, only the fallback would
+    assert not psh.is_supported(Doubler(2, 2), fallback=False)
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -315,7 +317,7 @@ def test_error_compute_without_hooks():
 def test_error_unsupported_module_names_path_type_and_register_rule():
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), nn.Bilinear(3, 3, 2)))
     with pytest.raises(psh.UnsupportedModuleError) as error:
-        psh.add_hooks(model)
+        psh.add_hooks(model, fallback=False)
     message = str(error.value)
     assert "'1.1'" in message and "Bilinear" in message
     assert "register_rule(Bilinear)" in message
@@ -324,7 +326,7 @@ def test_error_unsupported_module_names_path_type_and_register_rule():
     assert hook_counts(model) == [(0, 0, 0, 0)] * len(list(model.modules()))
     # frozen, it is no longer a problem
     model[1][1].requires_grad_(False)
-    with psh.add_hooks(model):
+    with psh.add_hooks(model, fallback=False):
         pass
 
 

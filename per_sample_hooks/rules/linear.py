@@ -5,12 +5,13 @@ per-sample weight gradient ``G_b^T A_b`` (``[B, p, d]``), bias ``G_b.sum(T)``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..capture import Call
+from ..unseen import Probe
 from .base import KeptGrads, Rule, contract_samples, register_rule
 from .ghost import (
     bias_norms_squared,
@@ -142,3 +143,23 @@ class LinearRule(Rule):
                 weighted_weight_sum(weight, acts, grads, weights, accumulate=i > 0)
             if bias is not None:
                 weighted_bias_sum(bias, grads, weights, accumulate=i > 0)
+
+    def probe(self, module: nn.Linear, calls: Sequence[Call], probes: Mapping[str, Probe],
+              scale: float, out: Mapping[str, Tensor] | None = None
+              ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``u^T (sum_b G_b^T A_b) v = sum_{b,t} (G u)(A v)``: ``O(B T (p + d))``."""
+        result: dict[str, tuple[Tensor, Tensor]] = {}
+        for call in calls:
+            grads = call.backprop()
+            grads = grads.reshape(-1, grads.shape[-1])  # [B*T, p]
+            for name, (u, v) in probes.items():
+                if name == "weight":
+                    acts = call.activation()
+                    terms = (u @ grads.t()) * (v @ acts.reshape(-1, acts.shape[-1]).t())
+                else:  # bias [p] seen as [p, 1]
+                    terms = (u @ grads.t()) * v
+                value, rounding = terms.sum(-1), terms.abs().sum(-1)
+                if name in result:
+                    value, rounding = value + result[name][0], rounding + result[name][1]
+                result[name] = (value, rounding)
+        return result

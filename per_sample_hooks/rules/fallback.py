@@ -1,0 +1,274 @@
+"""Fallback for any module with trainable parameters and no rule: ``torch.func`` on its forward.
+
+For one captured call ``y = f(params, *args, **kwargs)`` with output gradients ``g`` (one per
+output leaf, in ``torch.utils._pytree`` order), the per-sample gradient of sample ``b`` is the
+vector-Jacobian product of ``f`` restricted to that sample::
+
+    grad1[b] = vjp(params -> f(params, args[b], kwargs[b]))(g[b])
+
+computed for all samples at once with ``vmap``. Each sample keeps a batch dim of size 1, so a
+forward that needs batched inputs (``x.view(x.shape[0], -1)``, a 3-D attention input) runs
+unchanged. Tensor arguments whose size at the batch dim is not the batch size (attention masks,
+constants) are shared by all samples. The module is handled as one *unit*: parameters of its
+children are included (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
+``out_proj``), and the children are not hooked separately.
+
+Where the samples sit in each argument and output is the module's *layout*: by default the
+module's ``batch_dim`` (from ``add_hooks``) for every tensor whose size there is the batch size;
+:func:`register_layout` adds exact layouts for module types whose arguments disagree (attention:
+``key_padding_mask`` and the attention weights are batch first whatever ``batch_first`` says).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from ..capture import Call
+from ..errors import PerSampleHooksError
+from .base import Rule
+
+HEADS = "heads"
+"""Layout marker: a ``[B * heads, ...]`` tensor (3-D attention mask), one block per sample."""
+
+Spec = int | str | None  # batch dim kept as size 1 per sample, HEADS, or None (shared)
+
+
+@dataclass
+class Layout:
+    """Where the samples sit: one spec per positional argument, keyword and output leaf."""
+    args: list[Spec]
+    kwargs: dict[str, Spec]
+    outputs: list[Spec]
+    batch_size: int
+    #: keyword arguments replaced in the re-run (same values, a path ``vmap`` batches better)
+    rerun_kwargs: dict[str, object] = field(default_factory=dict)
+
+
+LayoutFn = Callable[[nn.Module, Call], Layout]
+_layouts: dict[type, LayoutFn] = {}
+
+
+def register_layout(module_type: type) -> Callable[[LayoutFn], LayoutFn]:
+    """Decorator: ``fn(module, call) -> Layout`` for ``module_type`` and its subclasses."""
+    def decorator(fn: LayoutFn) -> LayoutFn:
+        _layouts[module_type] = fn
+        return fn
+    return decorator
+
+
+def _lookup_layout(module: nn.Module) -> LayoutFn:
+    for klass in type(module).__mro__:
+        if klass in _layouts:
+            return _layouts[klass]
+    return default_layout
+
+
+def _spec_for(t: object, dim: int, batch_size: int) -> Spec:
+    if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch_size:
+        return dim
+    return None
+
+
+def _first_batch_size(tensors: Sequence[object], dim: int) -> int:
+    for t in tensors:
+        if isinstance(t, Tensor) and t.dim() > dim:
+            return t.shape[dim]
+    raise PerSampleHooksError("cannot tell the batch size of a call with no batched tensor input")
+
+
+def default_layout(module: nn.Module, call: Call) -> Layout:
+    """Every tensor whose size at the module's ``batch_dim`` is the batch size (read off the first
+    positional tensor) is batched there; other tensors and non-tensors are shared."""
+    dim = call.batch_dim
+    batch_size = _first_batch_size([*call.args, *call.kwargs.values()], dim)
+    return Layout([_spec_for(a, dim, batch_size) for a in call.args],
+                  {k: _spec_for(v, dim, batch_size) for k, v in call.kwargs.items()},
+                  [dim] * len(call.grads), batch_size)
+
+
+def _bind(module: nn.Module, call: Call) -> dict[str, object]:
+    """Positional and keyword arguments of ``call`` by parameter name of ``module.forward``."""
+    bound = inspect.signature(module.forward).bind(*call.args, **call.kwargs)
+    return dict(bound.arguments)
+
+
+def _named_layout(module: nn.Module, call: Call, batched: dict[str, Spec],
+                  outputs: list[Spec], batch_size: int) -> Layout:
+    """Layout from a ``{parameter name: spec}`` table; names not in it are shared."""
+    names = list(inspect.signature(module.forward).parameters)
+    args = [batched.get(names[i]) if isinstance(a, Tensor) else None
+            for i, a in enumerate(call.args)]
+    kwargs = {k: batched.get(k) if isinstance(v, Tensor) else None
+              for k, v in call.kwargs.items()}
+    return Layout(args, kwargs, outputs + [None] * (len(call.grads) - len(outputs)), batch_size)
+
+
+def _mask_spec(mask: object, dim: int, batch_size: int) -> Spec:
+    """Attention mask ``[L, S]`` (shared) or ``[B * heads, L, S]`` (per sample)."""
+    if isinstance(mask, Tensor) and mask.dim() == 3:
+        return HEADS
+    return None
+
+
+@register_layout(nn.MultiheadAttention)
+def attention_layout(module: nn.MultiheadAttention, call: Call) -> Layout:
+    """query/key/value ``[B, L, E]`` (batch_first) or ``[L, B, E]``; ``key_padding_mask [B, S]``;
+    ``attn_mask [L, S]`` or ``[B * heads, L, S]``; output, then weights ``[B, (heads,) L, S]``."""
+    dim = 0 if module.batch_first else 1
+    arguments = _bind(module, call)
+    batch_size = arguments["query"].shape[dim]
+    table = {"query": dim, "key": dim, "value": dim, "key_padding_mask": 0,
+             "attn_mask": _mask_spec(arguments.get("attn_mask"), dim, batch_size)}
+    layout = _named_layout(module, call, table, [dim, 0], batch_size)
+    # need_weights=True takes the explicit softmax(QK^T)V path, which vmap batches; the fused
+    # scaled_dot_product_attention has no batching rule on CPU (a slow per-sample fallback).
+    # The output leaves keep their positions: (out, None) becomes (out, weights).
+    layout.rerun_kwargs["need_weights"] = True
+    return layout
+
+
+def _transformer_layout(module: nn.Module, call: Call, sequences: Sequence[str],
+                        padding_masks: Sequence[str], masks: Sequence[str]) -> Layout:
+    dim = 0 if module.batch_first else 1
+    arguments = _bind(module, call)
+    batch_size = arguments[sequences[0]].shape[dim]
+    table: dict[str, Spec] = {name: dim for name in sequences}
+    table.update({name: 0 for name in padding_masks})
+    table.update({name: _mask_spec(arguments.get(name), dim, batch_size) for name in masks})
+    return _named_layout(module, call, table, [dim], batch_size)
+
+
+@register_layout(nn.TransformerEncoderLayer)
+def encoder_layer_layout(module: nn.Module, call: Call) -> Layout:
+    return _transformer_layout(module, call, ["src"], ["src_key_padding_mask"], ["src_mask"])
+
+
+@register_layout(nn.TransformerDecoderLayer)
+def decoder_layer_layout(module: nn.Module, call: Call) -> Layout:
+    return _transformer_layout(module, call, ["tgt", "memory"],
+                               ["tgt_key_padding_mask", "memory_key_padding_mask"],
+                               ["tgt_mask", "memory_mask"])
+
+
+def _split(value: object, spec: Spec, batch_size: int) -> tuple[object, int | None]:
+    """The tensor handed to ``vmap`` for one argument, and its ``in_dim``."""
+    if spec == HEADS:
+        return value.reshape(batch_size, -1, *value.shape[1:]), 0
+    return value, spec
+
+
+def _per_sample(value: Tensor, spec: Spec) -> Tensor:
+    """Inside ``vmap``: give the sample back a batch dim of size 1 (none for HEADS)."""
+    return value if spec == HEADS else value.unsqueeze(spec)
+
+
+def _rerun_overrides(module: nn.Module, call: Call, layout: Layout) -> dict[str, object]:
+    """``layout.rerun_kwargs`` for arguments not given positionally."""
+    if not layout.rerun_kwargs:
+        return {}
+    names = list(inspect.signature(module.forward).parameters)[:len(call.args)]
+    return {k: v for k, v in layout.rerun_kwargs.items() if k not in names}
+
+
+def unit_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters of a fallback unit, its children's included, by qualified name."""
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _random_modules(module: nn.Module) -> list[str]:
+    """Names of submodules that draw random numbers in the forward (dropout in training mode)."""
+    found = []
+    for name, sub in module.named_modules():
+        if not sub.training:
+            continue
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            found.append(name or type(sub).__name__)
+        elif isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
+            found.append(name or type(sub).__name__)
+    return found
+
+
+class FallbackRule(Rule):
+    """Per-sample gradients of a whole unit by ``torch.func.vmap`` over ``torch.func.vjp``."""
+
+    def batch_size(self, module: nn.Module, call: Call) -> int:
+        return _lookup_layout(module)(module, call).batch_size
+
+    def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        if any(call.training for call in calls):
+            random = _random_modules(module)
+            if random:
+                raise PerSampleHooksError(
+                    f"'{name}' ({type(module).__name__}) is handled by the torch.func fallback, "
+                    "which re-runs its forward; dropout in training mode there "
+                    f"({', '.join(random)}) draws a new random mask, so per-sample gradients "
+                    "would not be those of the step. Use dropout=0, or model.eval() for the "
+                    "step")
+
+    def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
+              out: dict[str, Tensor]) -> None:
+        params = unit_parameters(module)
+        names = [n for n in params if n in out]
+        for i, call in enumerate(calls):
+            grads = call_grad1(module, call, params, names, scale)
+            for n, g in zip(names, grads):
+                if i == 0:
+                    out[n].copy_(g)
+                else:
+                    out[n].add_(g)
+
+
+def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
+               names: Sequence[str], scale: float) -> tuple[Tensor, ...]:
+    """Per-sample gradients ``[B, *p.shape]`` of ``params[n]`` for ``n`` in ``names``, from one
+    call, times ``scale``."""
+    layout = _lookup_layout(module)(module, call)
+    cotangents, out_specs, out_leaves = [], [], []
+    for j, passes in enumerate(call.grads):
+        if not passes:
+            continue
+        spec = layout.outputs[j]
+        if spec is None or passes[0].dim() <= spec or passes[0].shape[spec] != layout.batch_size:
+            raise PerSampleHooksError(
+                f"{type(module).__name__}: output {j} received a gradient without a batch dim "
+                f"of size {layout.batch_size} (shape {tuple(passes[0].shape)}); per-sample "
+                "gradients need every output that reaches the loss to be batched. Pass "
+                "batch_dim to add_hooks for this module if its batch is not dimension 0")
+        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        cotangents.append(grad * scale if scale != 1 else grad)
+        out_specs.append(spec)
+        out_leaves.append(j)
+
+    flat_args, arg_specs, in_dims = [], [], []
+    for value, spec in [*zip(call.args, layout.args), *zip(call.kwargs.values(),
+                                                          layout.kwargs.values())]:
+        split, dim = _split(value, spec, layout.batch_size) if spec is not None else (value, None)
+        flat_args.append(split)
+        arg_specs.append(spec)
+        in_dims.append(dim if isinstance(split, Tensor) else None)
+    n_args, keys = len(call.args), list(call.kwargs)
+    rerun_kwargs = _rerun_overrides(module, call, layout)
+    frozen = {n: p.detach() for n, p in params.items() if n not in names}
+    trainable = {n: params[n].detach() for n in names}
+
+    def sample_grads(values: list, grads: list) -> tuple[Tensor, ...]:
+        values = [_per_sample(v, s) if s is not None else v for v, s in zip(values, arg_specs)]
+        args, kwargs = values[:n_args], dict(zip(keys, values[n_args:]))
+        kwargs.update(rerun_kwargs)
+
+        def forward(weights: dict[str, Tensor]) -> list[Tensor]:
+            output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
+                                                kwargs)
+            leaves = tree_flatten(output)[0]
+            return [leaves[j] for j in out_leaves]
+
+        _, vjp = torch.func.vjp(forward, trainable)
+        (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
+        return tuple(result[n] for n in names)
+
+    return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args, cotangents)

@@ -1,0 +1,134 @@
+"""Detection of parameter uses that no hook sees, by random projections of gradients.
+
+Hooks see a parameter only inside the forward of the module that owns it. A use elsewhere (a
+tied output layer ``h @ emb.weight.t()``, ``F.linear(x, layer.weight)``) adds a term to
+``p.grad`` that per-sample gradients from hooks would silently miss. The check compares, per
+step and parameter, two projections onto the same random rank-1 probes ``u v^T`` (two of
+them, drawn fresh each step from a private generator; ``p`` seen as a ``[n0, n1]`` matrix):
+
+- the *total*: ``u^T g v`` for the gradient ``g`` that autograd hands the parameter in each
+  backward pass of the step (a tensor hook on the parameter; the gradient of that pass, not
+  ``p.grad``, so gradients the user did not zero do not matter), summed over passes;
+- the *hooked* sum: the same projection of the batch-summed contributions the rules see, which
+  each rule computes from its captured pairs (:meth:`Rule.probe`; for Linear
+  ``sum_{b,t} (G u)(A v)``, ``O(B T (p + d))``).
+
+A term missing from the hooked sum shows up as a difference far above rounding (thresholds in
+:func:`relative_tolerance`: 10% of the projection in float32, 1e-6 in float64). Cost per step:
+one matrix-vector product over each parameter (``O(P)``, not ``O(B P)``) plus the rules' probes;
+a rule without a cheap probe reads its own per-sample gradients once. A parameter whose
+gradient autograd did not compute this step (``torch.autograd.grad`` for inputs only) is not
+checked. A random projection can miss a term that is nearly orthogonal to both probes: with two
+Gaussian probes the chance is negligible, and a miss does not repeat on the next step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .capture import HookState
+from .errors import PerSampleHooksError
+
+N_PROBES = 2
+
+Probe = tuple[Tensor, Tensor]  # u [N_PROBES, n0], v [N_PROBES, n1]
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """``p`` seen as ``[n0, n1]``: first dim by the rest (a scalar as ``[1, 1]``)."""
+    n0 = shape[0] if len(shape) else 1
+    return n0, (shape.numel() // n0 if n0 else 0)
+
+
+def project(t: Tensor, probe: Probe) -> Tensor:
+    """``u_k^T t v_k`` for ``t [..., n0, n1]`` and each probe ``k``: ``[..., N_PROBES]``."""
+    u, v = probe
+    return (torch.matmul(v, t.transpose(-1, -2)) * u).sum(-1)
+
+
+def project_samples(per_sample: Tensor, probe: Probe) -> tuple[Tensor, Tensor]:
+    """Projection of ``per_sample.sum(0)`` (``[B, *shape]``) and its rounding scale: the sum of
+    the absolute per-sample projections."""
+    n0, n1 = matrix_shape(per_sample.shape[1:])
+    each = project(per_sample.reshape(per_sample.shape[0], n0, n1), probe)
+    return each.sum(0), each.abs().sum(0)
+
+
+def relative_tolerance(dtype: torch.dtype) -> float:
+    """Gap between total and hooked sum, relative to their size, above which a term is missing.
+
+    Both sides are rounded differently (batched autograd vs the rules' math); in float32 a badly
+    scaled model (saturated attention, large inputs) showed gaps of 5% with no missing term, so
+    the float32 threshold is 10%: terms below that fraction of a gradient may go unreported."""
+    return {torch.float64: 1e-6, torch.float32: 1e-1}.get(dtype, 0.5)
+
+
+class UnseenUseCheck:
+    """Per-step totals of the probes for each hooked parameter; see the module docstring."""
+
+    def __init__(self, state: HookState, owners: Mapping[nn.Parameter, str], seed: int = 0):
+        self.owners = owners  # parameter -> qualified name
+        self.generator = torch.Generator().manual_seed(seed)
+        self.probes: dict[nn.Parameter, Probe] = {}
+        self.totals: dict[nn.Parameter, Tensor] = {}
+        self._state = state
+        for p in owners:
+            state.handles.append(p.register_hook(self._total_hook(p)))
+        state.on_clear.append(self.reset)
+
+    def reset(self) -> None:
+        self.probes.clear()
+        self.totals.clear()
+
+    def probe(self, p: Tensor) -> Probe:
+        """This step's probes for ``p``, drawn on first use."""
+        probe = self.probes.get(p)
+        if probe is None:
+            n0, n1 = matrix_shape(p.shape)
+            u = torch.randn(N_PROBES, n0, generator=self.generator)
+            v = torch.randn(N_PROBES, n1, generator=self.generator)
+            probe = self.probes[p] = (u.to(p.device, p.dtype), v.to(p.device, p.dtype))
+        return probe
+
+    def _total_hook(self, p: nn.Parameter) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            if not self._state.enabled:
+                return
+            value = project(grad.detach().reshape(matrix_shape(p.shape)), self.probe(p))
+            total = self.totals.get(p)
+            self.totals[p] = value if total is None else total + value
+        return hook
+
+    def verify(self, hooked: Mapping[nn.Parameter, tuple[Tensor, Tensor]],
+               users: Mapping[nn.Parameter, Sequence[str]]) -> None:
+        """Raise if a parameter's total differs from its hooked sum beyond rounding.
+
+        ``hooked[p]`` is (projection, rounding scale) summed over the modules that own ``p``,
+        whose names are ``users[p]``.
+        """
+        for p, total in self.totals.items():
+            value, scale = hooked.get(p, (torch.zeros_like(total), torch.zeros_like(total)))
+            bound = relative_tolerance(p.dtype) * (total.abs() + scale)
+            gap = (total - value).abs()
+            if bool((gap > bound + torch.finfo(total.dtype).tiny).any()):
+                raise_unseen(self.owners[p], users.get(p, ()), float(
+                    (gap / (total.abs() + scale).clamp_min(torch.finfo(total.dtype).tiny)).max()))
+
+    def probes_for(self, parameters: Mapping[str, nn.Parameter]) -> dict[str, Probe]:
+        """Probes of those of ``parameters`` whose gradient was seen this step."""
+        return {n: self.probes[p] for n, p in parameters.items() if p in self.totals}
+
+
+def raise_unseen(name: str, users: Sequence[str], fraction: float) -> None:
+    owners = " and ".join(f"'{u}'" for u in users) or "no hooked module"
+    raise PerSampleHooksError(
+        f"parameter '{name}' has a gradient term that no hook sees (a random projection of its "
+        f"gradient differs by {fraction:.0%} from the hooked contributions): it is used "
+        f"outside the forward of {owners}, for example "
+        f"`h @ {name}.t()` or `F.linear(x, {name})`; its per-sample gradients would miss that "
+        "term. Route the use through a module (call a module that holds the parameter, e.g. an "
+        "nn.Linear whose weight is tied to it), or let the torch.func fallback handle the module "
+        "whose forward makes that use as one unit: add_hooks(model, units=['<module name>'])")
+

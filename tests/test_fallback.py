@@ -1,0 +1,329 @@
+"""The torch.func fallback: custom layers, attention, transformer layers, batch_dim per module."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, hooked_grads, weighted_square
+
+
+def seq_first_loss(output):
+    """``weighted_square`` of a ``[L, B, ...]`` output (batch at dim 1)."""
+    return weighted_square(output.movedim(1, 0))
+
+
+def assert_matches_loop_dims(model, inputs, dims, loss_fn=seq_first_loss, loss_type="mean",
+                             **hook_options):
+    """Like ``assert_matches_loop`` with the batch of input ``j`` at ``dims[j]`` (None: shared);
+    the hooks get their own ``batch_dim`` option."""
+    model = model.double()
+    inputs = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+              for x in inputs]
+    got = hooked_grads(model, inputs, loss_fn, loss_type, **hook_options)
+    batch = inputs[0].shape[dims[0]]
+    params = dict(model.named_parameters())
+    for i in range(batch):
+        sample = [x if d is None else x.narrow(d, i, 1) for x, d in zip(inputs, dims)]
+        grads = torch.autograd.grad(loss_fn(model(*sample)).sum(), list(params.values()),
+                                    allow_unused=True)
+        for (n, p), g in zip(params.items(), grads):
+            g = torch.zeros_like(p) if g is None else g
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
+def assert_seq_first_matches(model, inputs, loss_fn=seq_first_loss, **hook_options):
+    """Inputs ``[L, B, ...]``: the loop slices dim 1."""
+    assert_matches_loop_dims(model, inputs, [1] * len(inputs), loss_fn, **hook_options)
+
+
+class LayerScale(nn.Module):
+    """CaiT / ConvNeXt layer scale: a raw per-channel parameter."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class LearnedPositions(nn.Module):
+    def __init__(self, length, dim):
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(length, dim))
+
+    def forward(self, x):
+        return x + self.positions[: x.shape[1]]
+
+
+class Gated(nn.Module):
+    """Raw parameters, a child module called normally, two inputs, keyword and non-tensor
+    arguments, and a nested output."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, y, *, power=2, offset=None, tag="x"):
+        assert tag == "x"
+        h = self.proj(x) * torch.sigmoid(y * self.scale) ** power
+        if offset is not None:
+            h = h + offset
+        return {"h": h, "extra": (h.sum(-1), [None, torch.tanh(h)])}
+
+
+def test_raw_parameters_layer_scale_and_positions():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), LearnedPositions(5, 6), nn.Tanh(), LayerScale(6),
+                          nn.Linear(6, 3))
+    for loss_type in ["mean", "sum"]:
+        assert_matches_loop(model, [torch.randn(4, 5, 4)], loss_type=loss_type)
+
+
+def test_shorter_sequence_than_positions():
+    torch.manual_seed(0)
+    model = nn.Sequential(LearnedPositions(7, 3), nn.Linear(3, 2))
+    assert_matches_loop(model, [torch.randn(3, 4, 3)])
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_several_inputs_kwargs_nested_outputs(loss_type):
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gated = Gated(4)
+
+        def forward(self, x, y):
+            out = self.gated(x, y, power=3, offset=torch.ones(4), tag="x")
+            return out["h"] ** 2 + out["extra"][0][..., None] + out["extra"][1][1]
+
+    assert_matches_loop(Model(), [torch.randn(5, 3, 4), torch.randn(5, 3, 4)],
+                        loss_type=loss_type)
+
+
+def test_unit_reused_and_partly_frozen():
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = LayerScale(4)
+            self.gated = Gated(4)
+            self.gated.proj.bias.requires_grad_(False)
+
+        def forward(self, x):
+            h = self.scale(x)
+            h = self.gated(h, x)["h"]
+            return self.scale(torch.tanh(h)) + self.gated(h, h)["h"]
+
+    assert_matches_loop(Model(), [torch.randn(6, 4)])
+
+
+def test_unit_children_are_not_hooked_and_is_supported():
+    model = nn.Sequential(Gated(3), nn.Linear(3, 2))
+    state = psh.add_hooks(model)
+    try:
+        assert model[0] in state.units
+        assert model[0].proj not in state.modules and model[1] in state.modules
+    finally:
+        psh.remove_hooks(model)
+    assert psh.is_supported(model[0])
+    assert not psh.is_supported(model[0], fallback=False)
+    assert psh.is_supported(model[1], fallback=False)
+
+
+def test_fallback_off_raises_unsupported():
+    model = nn.Sequential(nn.Linear(3, 3), LayerScale(3))
+    with pytest.raises(psh.UnsupportedModuleError, match=r"'1' of type LayerScale.*gamma"):
+        psh.add_hooks(model, fallback=False)
+    assert not hasattr(model, "_per_sample_hooks")
+
+
+def test_dropout_in_unit_refused_in_training_only():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = model[0]
+
+        def forward(self, x):
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    wrapper = Wrapper()
+    psh.add_hooks(wrapper)
+    try:
+        wrapper(torch.randn(3, 2, 4)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="'attention'.*dropout"):
+            psh.compute_grad1(wrapper)
+    finally:
+        psh.remove_hooks(wrapper)
+    wrapper.eval()
+    assert_matches_loop(wrapper, [torch.randn(3, 2, 4)])
+
+
+class Attention(nn.Module):
+    """MultiheadAttention followed by a Linear; the loss sees both the output and the weights."""
+
+    def __init__(self, batch_first, kdim, vdim, add_bias_kv, add_zero_attn, bias):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(
+            6, 2, batch_first=batch_first, kdim=kdim, vdim=vdim, add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn, bias=bias)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, q, k, v, key_padding_mask=None, attn_mask=None, need_weights=True,
+                average=True):
+        out, weights = self.attention(q, k, v, key_padding_mask=key_padding_mask,
+                                      attn_mask=attn_mask, need_weights=need_weights,
+                                      average_attn_weights=average)
+        return self.head(out), weights
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch_first=st.booleans(), batch=st.integers(1, 4), length=st.integers(1, 4),
+       source=st.integers(1, 4), kv_dims=st.booleans(), add_bias_kv=st.booleans(),
+       add_zero_attn=st.booleans(), bias=st.booleans(),
+       mask=st.sampled_from([None, "bool", "float", "heads"]), padding=st.booleans(),
+       need_weights=st.booleans(), average=st.booleans(),
+       loss_type=st.sampled_from(["mean", "sum"]))
+def test_multihead_attention(batch_first, batch, length, source, kv_dims, add_bias_kv,
+                             add_zero_attn, bias, mask, padding, need_weights, average, loss_type):
+    torch.manual_seed(0)
+    kdim, vdim = (5, 3) if kv_dims else (6, 6)
+    model = Attention(batch_first, kdim, vdim, add_bias_kv, add_zero_attn, bias)
+    shape = (lambda n, d: (batch, n, d)) if batch_first else (lambda n, d: (n, batch, d))
+    q, k, v = torch.randn(shape(length, 6)), torch.randn(shape(source, kdim)), \
+        torch.randn(shape(source, vdim))
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(length, source) < 0.3
+        attn_mask[:, 0] = False
+    elif mask == "float":
+        attn_mask = torch.randn(length, source)
+    elif mask == "heads":
+        attn_mask = torch.randn(batch * 2, length, source)
+    key_padding_mask = None
+    if padding:
+        key_padding_mask = torch.rand(batch, source) < 0.3
+        key_padding_mask[:, 0] = False
+    dim = 0 if batch_first else 1
+
+    def loss_fn(output):
+        out, weights = output
+        loss = weighted_square(out.movedim(dim, 0))
+        return loss if weights is None else loss + weighted_square(weights)
+
+    inputs = [q, k, v, key_padding_mask, attn_mask, need_weights, average]
+    model = model.double()
+    inputs = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+              for x in inputs]
+    got = hooked_grads(model, inputs, loss_fn, loss_type, batch_dim={"head": dim})
+
+    def take(i):
+        sample = [q.narrow(dim, i, 1), k.narrow(dim, i, 1), v.narrow(dim, i, 1)]
+        sample = [x.double() for x in sample]
+        sample.append(None if key_padding_mask is None else key_padding_mask[i:i + 1])
+        if attn_mask is not None and attn_mask.dim() == 3:
+            sample.append(inputs[4][2 * i: 2 * i + 2])
+        else:
+            sample.append(inputs[4])
+        return sample + [need_weights, average]
+
+    params = dict(model.named_parameters())
+    for i in range(batch):
+        loss = loss_fn(model(*take(i))).sum()
+        expected = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        for (n, p), g in zip(params.items(), expected):
+            g = torch.zeros_like(p) if g is None else g
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_transformer_encoder_layer(norm_first, batch_first, mode):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
+                                       batch_first=batch_first, norm_first=norm_first)
+    layer.train(mode == "train")
+    batch, length = 3, 4
+    x = torch.randn(batch, length, 8) if batch_first else torch.randn(length, batch, 8)
+    src_mask = nn.Transformer.generate_square_subsequent_mask(length)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[1, -1] = True
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x, padding):
+            return self.layer(x, src_mask=src_mask.to(x.dtype), src_key_padding_mask=padding)
+
+    if batch_first:
+        assert_matches_loop(Model(), [x, padding])
+    else:
+        assert_matches_loop_dims(Model(), [x, padding], [1, 0], batch_dim=1)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_decoder_layer(norm_first, batch_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
+                                       batch_first=batch_first, norm_first=norm_first)
+    batch, length, source = 3, 4, 5
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(length)
+    memory_padding = torch.zeros(batch, source, dtype=torch.bool)
+    memory_padding[0, -2:] = True
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, tgt, memory, memory_padding):
+            return self.layer(tgt, memory, tgt_mask=tgt_mask.to(tgt.dtype),
+                              memory_key_padding_mask=memory_padding)
+
+    if batch_first:
+        assert_matches_loop(Model(), [torch.randn(batch, length, 8),
+                                      torch.randn(batch, source, 8), memory_padding],
+                            loss_type="sum")
+    else:
+        assert_matches_loop_dims(Model(), [torch.randn(length, batch, 8),
+                                           torch.randn(source, batch, 8), memory_padding],
+                                 [1, 1, 0], batch_dim=1, loss_type="sum")
+
+
+def test_batch_dim_mapping_nearest_entry_wins():
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(3, 4), LayerScale(4))
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):  # x [T, B, 3]
+            return self.out(self.inner(x).transpose(0, 1))
+
+    model = Model()
+    assert_seq_first_matches(model, [torch.randn(4, 3, 3)],
+                             loss_fn=weighted_square, batch_dim={"inner": 1})
+    state = psh.add_hooks(model, batch_dim={model.inner: 1, "inner.1": 1})
+    try:
+        assert state.modules[model.inner[0]][1] == 1 and state.modules[model.out][1] == 0
+    finally:
+        psh.remove_hooks(model)
+    with pytest.raises(ValueError, match="'nope'"):
+        psh.add_hooks(model, batch_dim={"nope": 1})

@@ -1,0 +1,182 @@
+"""Parameter uses that no hook sees are reported, never silently missed; no false positives."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop
+
+
+class TiedLanguageModel(nn.Module):
+    """Input embedding tied to the output layer; ``mode`` says how the output layer uses it."""
+
+    def __init__(self, mode, vocab=11, dim=6):
+        super().__init__()
+        self.mode = mode
+        self.emb = nn.Embedding(vocab, dim)
+        self.lin = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight  # tied: one Parameter, two modules
+
+    def forward(self, tokens):
+        h = torch.tanh(self.lin(self.emb(tokens)))
+        if self.mode == "module":
+            return self.out(h)
+        if self.mode == "matmul":
+            return h @ self.emb.weight.t()
+        if self.mode == "functional":
+            return F.linear(h, self.lin.weight) @ self.emb.weight.t()
+        raise ValueError(self.mode)
+
+
+def tokens(batch=5, length=4, vocab=11):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_tied_embedding_through_a_module_is_exact(loss_type):
+    torch.manual_seed(0)
+    got = assert_matches_loop(TiedLanguageModel("module"), [tokens()], loss_type=loss_type)
+    assert set(got) == {"emb.weight", "lin.weight", "lin.bias"}
+
+
+def test_tied_matmul_raises_naming_the_parameter():
+    torch.manual_seed(0)
+    with pytest.raises(psh.PerSampleHooksError,
+                       match=r"parameter 'emb\.weight' has a gradient term that no hook sees"
+                             r".*Route the use through a module.*units="):
+        assert_matches_loop(TiedLanguageModel("matmul"), [tokens()])
+
+
+def test_functional_use_of_a_module_weight_raises():
+    torch.manual_seed(0)
+    model = TiedLanguageModel("functional")
+    with pytest.raises(psh.PerSampleHooksError, match=r"'lin\.weight'|'emb\.weight'"):
+        assert_matches_loop(model, [tokens()])
+    model.float()
+    psh.add_hooks(model)
+    try:
+        model(tokens()).pow(2).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'lin\.weight'"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+
+
+def test_whole_model_as_a_unit_is_the_way_out():
+    torch.manual_seed(0)
+    assert_matches_loop(TiedLanguageModel("matmul"), [tokens()], units=[""])
+    assert_matches_loop(TiedLanguageModel("functional"), [tokens()], units=[""])
+
+
+def test_parameter_only_used_outside_any_forward():
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x) * self.b.bias  # self.b is never called
+
+    with pytest.raises(psh.PerSampleHooksError, match=r"'b\.bias'.*outside the forward of 'b'"):
+        assert_matches_loop(Model(), [torch.randn(4, 3)])
+
+
+def test_check_off_and_input_only_gradients():
+    torch.manual_seed(0)
+    model = TiedLanguageModel("matmul")
+    with psh.add_hooks(model, check_unseen=False):
+        model(tokens()).sum().backward()
+        psh.compute_grad1(model)  # wrong numbers, as asked for
+    # torch.autograd.grad for an input only: parameters' gradients are not computed, no check
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with psh.add_hooks(model):
+        x = torch.randn(5, 3, requires_grad=True)
+        torch.autograd.grad(model(x).sum(), x)
+        psh.compute_grad1(model)
+
+
+def test_disabled_backward_and_unzeroed_grads_are_not_counted():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    with psh.add_hooks(model):
+        for _ in range(3):  # p.grad keeps accumulating: the check uses each pass's gradient
+            model(x).sum().backward()
+            psh.compute_grad1(model)
+        psh.disable_hooks(model)
+        model(x * 2).sum().backward()
+        psh.enable_hooks(model)
+        model(x).sum().backward()
+        psh.compute_grad1(model)
+
+
+def test_accumulation_over_several_backwards_is_checked_as_a_whole():
+    torch.manual_seed(0)
+    model = TiedLanguageModel("module").float()
+    with psh.add_hooks(model):
+        model(tokens()).pow(2).sum().backward()
+        model(tokens()).sum().backward()
+        psh.compute_grad1(model)
+    model.mode = "matmul"
+    with psh.add_hooks(model):
+        model.mode = "module"
+        model(tokens()).sum().backward()
+        model.mode = "matmul"
+        model(tokens()).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="'emb.weight'"):
+            psh.compute_grad1(model)
+
+
+class Block(nn.Module):
+    def __init__(self, d, hidden, conv):
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, 3, padding=1) if conv else None
+        self.lin1, self.lin2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):  # x [B, T, d]
+        if self.conv is not None:
+            x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return x + self.gamma * self.lin2(torch.relu(self.lin1(x)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 16), length=st.integers(1, 6), d=st.integers(1, 24),
+       hidden=st.integers(1, 48), depth=st.integers(1, 3), conv=st.booleans(),
+       attention=st.booleans(), reuse=st.booleans(), passes=st.integers(1, 2),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_no_false_positives_float32(batch, length, d, hidden, depth, conv, attention, reuse,
+                                    passes, scale):
+    torch.manual_seed(batch * 7 + d)
+    blocks = [Block(d, hidden, conv) for _ in range(depth)]
+    if attention:
+        blocks.append(nn.TransformerEncoderLayer(2 * d, 2, 3, dropout=0.0, batch_first=True))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(blocks)
+            self.head = nn.Linear(d, 3)
+
+        def forward(self, x):
+            for block in self.blocks:
+                if isinstance(block, nn.TransformerEncoderLayer):
+                    x = block(torch.cat([x, x], -1))[..., :d]
+                else:
+                    x = block(x)
+            if reuse:
+                x = self.blocks[0](x)
+            return self.head(x)
+
+    model = Model()
+    x = torch.randn(batch, length, d) * scale
+    with psh.add_hooks(model):
+        for _ in range(passes):
+            (model(x) ** 2).mean().backward()
+        psh.compute_grad1(model)
