@@ -1,4 +1,5 @@
 """per_sample_hooks: per-sample gradients and friends for unchanged ``nn.Module``s, via hooks."""
+from . import distributed  # noqa: F401  (torch.distributed helpers: psh.distributed.*)
 from .api import (
     add_hooks,
     clear_backprops,

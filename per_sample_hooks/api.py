@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, live_states
+from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, live_states, unwrap
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .rules import Rule, RuleRegistry, default_registry
 from .rules.fallback import FallbackRule, unit_parameters
@@ -83,7 +83,19 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
 
     Returns the model's hook state, also a context manager: ``with add_hooks(model): ...``
     removes the hooks on exit. Calling it again on a hooked model returns the same state.
+    Raises :class:`UnsupportedModuleError` for a module with trainable parameters and no rule.
+    A ``DistributedDataParallel`` or ``DataParallel`` model is hooked through to the model it
+    wraps (the same state answers for either handle). A ``torch.compile``'d model is refused:
+    compiled code does not see hooks added after compilation; hook the model, then compile it.
     """
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise PerSampleHooksError(
+            "add_hooks got a torch.compile'd module: code compiled before the hooks existed "
+            "would not run them (torch._dynamo does not guard on module hooks). Hook the "
+            "original model first, then compile it: add_hooks(model); compiled = "
+            "torch.compile(model). The compiled module's own original is compiled._orig_mod; "
+            "after hooking it call torch._dynamo.reset() so that it is compiled again")
+    model = unwrap(model)
     state = model.__dict__.get(STATE_ATTRIBUTE)
     if state is not None:
         return state
@@ -142,7 +154,7 @@ def _resolve_units(model: nn.Module, units: Iterable[nn.Module | str]) -> set[nn
 
 def remove_hooks(model: nn.Module) -> None:
     """Remove every hook, captured tensor and ``grad1`` attribute; the model is as before."""
-    state = model.__dict__.get(STATE_ATTRIBUTE)
+    state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
     if state is not None:
         state.remove()
 
@@ -200,11 +212,31 @@ class Step:
     scale: float
 
 
+def _cast_to_parameters(module: nn.Module, calls: list[Call]) -> None:
+    """Under ``torch.autocast`` a module sees and returns lower-precision tensors than its
+    parameters: compute per-sample quantities in the parameters' dtype (each record's
+    floating-point captures converted once; nothing to do when dtypes already agree)."""
+    p = next((p for p in module._parameters.values() if p is not None), None)
+    if p is None or not p.is_floating_point():
+        return
+    for call in calls:
+        if call.has_other_float_dtype(p.dtype):
+            call.cast_(p.dtype)
+
+
 def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
     """Check what was captured and pair each hooked module with its rule and calls."""
     if loss_type not in ("mean", "sum"):
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)
+    if state.forward_after_backward is not None:
+        state.consumed = True  # this step is lost; the next forward starts a new one
+        raise PerSampleHooksError(
+            f"{caller}: '{state.forward_after_backward}' ran a forward pass after a backward "
+            "pass of the same step (several forward+backward passes, e.g. gradient "
+            "accumulation): the rows of different micro-batches would be added sample by "
+            f"sample. Call {caller} after each backward (clone the results to keep them), or "
+            "clear_backprops(model) before each micro-batch you do not need")
     layers, sizes = [], {}
     for module, name, calls in state.hooked_calls():
         rule = state.rules[module]
@@ -218,6 +250,7 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
                     "the modified values. Avoid the in-place op (e.g. inplace=False) or clone "
                     "the input")
         with_grads = [c for c in calls if c.has_grads]
+        _cast_to_parameters(module, with_grads)
         for call in with_grads:
             sizes.setdefault(rule.batch_size(module, call), name)
         layers.append(LayerWork(module, name, rule, with_grads, _owned(state, module)))
@@ -254,6 +287,7 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     state, step = prepare_step(model, loss_type, "compute_grad1")
     first_buffer: dict[nn.Parameter, Tensor] = {}  # a parameter shared by modules: summed here
     projections = UnseenProjections(state)
+    empty = step.batch_size == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
         out = {}
         for name, _, buf in _parameter_buffers(state, layer, step.batch_size):
@@ -261,12 +295,13 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
         _drop_frozen_grad1(state, layer.module)
         if not out:
             continue
-        if layer.calls:
-            layer.rule.grad1(layer.module, layer.calls, step.scale, out)
-        else:  # the module's output did not reach the loss: its per-sample gradients are zero
-            for buf in out.values():
-                buf.zero_()
-        projections.add(layer, step.scale, out)
+        if not empty:
+            if layer.calls:
+                layer.rule.grad1(layer.module, layer.calls, step.scale, out)
+            else:  # the module's output did not reach the loss: its per-sample gradients are zero
+                for buf in out.values():
+                    buf.zero_()
+            projections.add(layer, step.scale, out)
         for name, buf in out.items():
             p = layer.parameters[name]
             first = first_buffer.setdefault(p, buf)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import PerSampleHooksError
 
@@ -36,7 +36,11 @@ class Call:
         self.grads: list[list[Tensor]] = [[] for _ in range(n_outputs)]
         self.batch_dim = batch_dim
         self.training = training
-        self.versions = [a._version if isinstance(a, Tensor) else None for a in args]
+        # Under torch.compile a traced ``_version`` is a constant of the trace, not the tensor's
+        # live counter: in-place changes after the forward cannot be detected there.
+        compiling = torch.compiler.is_compiling()
+        self.versions = [a._version if isinstance(a, Tensor) and not compiling else None
+                         for a in args]
 
     @property
     def has_grads(self) -> bool:
@@ -73,6 +77,33 @@ class Call:
                 return passes[0].shape[self.batch_dim]
         raise PerSampleHooksError("cannot tell the batch size of a call with no tensor input")
 
+    def has_other_float_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether a captured floating-point tensor (input or output gradient) is not ``dtype``
+        (cheap: no pytree walk unless the call had keyword arguments)."""
+        for t in self.args:
+            if isinstance(t, Tensor) and t.dtype != dtype and t.is_floating_point():
+                return True
+        for passes in self.grads:
+            for g in passes:
+                if g.dtype != dtype and g.is_floating_point():
+                    return True
+        if self.kwargs:
+            return any(isinstance(t, Tensor) and t.dtype != dtype and t.is_floating_point()
+                       for t in tree_flatten(self.kwargs)[0])
+        return False
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Convert every captured floating-point tensor to ``dtype`` (e.g. bfloat16 captures of
+        an autocast forward to the float32 of the parameters), in this record."""
+        def convert(t: object) -> object:
+            if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype:
+                return t.to(dtype)
+            return t
+        self.args = tree_map(convert, self.args)
+        self.kwargs = tree_map(convert, self.kwargs)
+        self.grads = [[convert(g) for g in passes] for passes in self.grads]
+        self.versions = [a._version if isinstance(a, Tensor) else None for a in self.args]
+
     def modified_inputs(self) -> list[int]:
         """Positions of tensor inputs modified in place since the forward."""
         return [i for i, (a, v) in enumerate(zip(self.args, self.versions))
@@ -86,7 +117,49 @@ def _isolated(leaf: object) -> object:
 def _inside_torch_func() -> bool:
     """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
     module's forward, or the user's own transforms) are not steps and are not recorded."""
+    if torch.compiler.is_compiling():  # dynamo traces the hook; the stack is its own business
+        return False
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None) -> None:
+    """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); set
+    ``owner.backward_seen`` when one arrives.
+
+    A tensor hook on ``leaf`` (not a pre-hook on ``leaf.grad_fn``: it also fires when ``leaf``
+    is an ``inputs=`` edge of ``autograd.grad``, as ``dp.OutputEdges`` uses). It sees the
+    gradient of the value the module returned even when an in-place op (``ReLU(inplace=True)``)
+    later changes ``leaf`` -- unless ``leaf`` is a view: an in-place op on a view rebases its
+    history and its hook never fires. A Linear on ``[B, *, d]`` returns a reshaped view of its
+    matmul, so for a view of a whole contiguous base a pre-hook on the base's node catches the
+    gradient of the base (= of the view, reshaped) in the passes where the view's hook did not
+    fire (the view's hook fires first when it fires at all).
+    """
+    def tensor_hook(grad: Tensor) -> None:
+        sink.append(grad)
+        if owner is not None:
+            owner.backward_seen = True
+        fired[0] = True
+
+    fired = [False]
+    leaf.register_hook(tensor_hook)
+    base = leaf._base
+    if base is None or base.grad_fn is None or base.numel() != leaf.numel() \
+            or not (base.is_contiguous() and leaf.is_contiguous()):
+        return
+    node, slot, shape = base.grad_fn, base.output_nr, leaf.shape
+
+    def base_pre_hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        if fired[0]:  # the view's own hook had it
+            fired[0] = False
+            return
+        grad = grad_outputs[slot]
+        if grad is not None:
+            sink.append(grad.reshape(shape))
+            if owner is not None:
+                owner.backward_seen = True
+
+    node.register_prehook(base_pre_hook)
 
 
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
@@ -107,6 +180,8 @@ class HookState:
         self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
         self.enabled = True
         self.consumed = False  # set by compute_*: the next forward starts a new step
+        self.backward_seen = False  # a captured output received a gradient in this step
+        self.forward_after_backward: str | None = None  # first module called after a backward
         self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
         self.handles: list[Any] = []
         self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
@@ -117,7 +192,8 @@ class HookState:
         self.isolate_outputs: set[nn.Module] = set()
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         for module, (_, batch_dim) in modules.items():
-            hook = self._make_forward_hook(self.calls[module], batch_dim)
+            hook = self._make_forward_hook(module, self.calls[module], batch_dim,
+                                           self.modules[module][0])
             self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
         _live_states.add(self)
 
@@ -125,9 +201,16 @@ class HookState:
     def model(self) -> nn.Module | None:
         return self._model_ref()
 
-    def _make_forward_hook(self, calls: list[Call], batch_dim: int) -> Callable:
+    def __reduce__(self) -> tuple:
+        """A copy (``copy.deepcopy(model)``, pickling) of a hooked model is not hooked: its
+        state becomes None and its copied hooks ignore it (they serve the original modules)."""
+        return _no_state, ()
+
+    def _make_forward_hook(self, owner: nn.Module, calls: list[Call], batch_dim: int, name: str
+                           ) -> Callable:
         def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if not self.enabled or not torch.is_grad_enabled() or _inside_torch_func():
+            if not self.enabled or module is not owner or not torch.is_grad_enabled() \
+                    or _inside_torch_func():
                 return
             if isinstance(output, Tensor):
                 if not output.requires_grad:
@@ -142,13 +225,13 @@ class HookState:
                     output = tree_unflatten(leaves, spec)
             if self.consumed:
                 self.clear()
+            elif self.backward_seen and self.forward_after_backward is None:
+                self.forward_after_backward = name  # a second micro-batch: refused by compute_*
             args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
             call = Call(args, kwargs, len(leaves), batch_dim, module.training)
             for grads, leaf in zip(call.grads, leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    # A tensor hook, not a pre-hook on leaf.grad_fn: it also fires when the
-                    # output itself is an ``inputs=`` edge of autograd.grad (dp.OutputEdges).
-                    leaf.register_hook(grads.append)
+                    capture_gradient(leaf, grads, self)
             calls.append(call)
             return output
         return forward_hook
@@ -160,9 +243,12 @@ class HookState:
         for reset in self.on_clear:
             reset()
         self.consumed = False
+        self.backward_seen = False
+        self.forward_after_backward = None
 
     def remove(self) -> None:
         """Remove every hook, captured tensor, buffer and ``grad1``/``hess`` attribute."""
+        self.enabled = False  # code compiled while hooked may still call the hook: a no-op
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -202,11 +288,30 @@ class HookState:
             yield module, name, self.calls[module]
 
 
+def _no_state() -> None:
+    return None
+
+
 def live_states() -> list[HookState]:
     return list(_live_states)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside wrappers that forward to it unchanged: ``torch.compile``'s
+    ``OptimizedModule`` (``_orig_mod``), ``DistributedDataParallel`` and ``DataParallel``
+    (``module``). Hooks and state live on the inner model, so either handle works."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+                model.__dict__.get("_modules", {}).get("_orig_mod"), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def get_state(model: nn.Module) -> HookState:
+    model = unwrap(model)
     state = model.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
         raise PerSampleHooksError(

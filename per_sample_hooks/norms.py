@@ -108,12 +108,25 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     ``model.named_parameters()``. Raises if a norm is not finite, naming the samples.
     """
     _, step = prepare_step(model, loss_type, "compute_norms")
+    if step.batch_size == 0:
+        return _empty_batch_norms(model, step, per_param)
     squared = _per_parameter_squared(model, step, "compute_norms")
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "compute_norms")
     if per_param:
         return {n: s.sqrt() for n, s in squared.items()}
     return norms
+
+
+def _empty_batch_norms(model: nn.Module, step: Step, per_param: bool
+                       ) -> Tensor | dict[str, Tensor]:
+    """Norms of an empty batch: ``[0]`` tensors (per parameter with ``per_param``)."""
+    names = _parameter_names(model, step, "compute_norms")
+    empty = {names[id(layer)][local]: p.new_zeros(0) for layer in step.layers
+             for local, p in layer.parameters.items()}
+    if per_param:
+        return empty
+    return next(iter(empty.values()), torch.zeros(0))
 
 
 def clipping_coefficients(norms: Tensor, max_norm: float) -> Tensor:
@@ -179,6 +192,11 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
     _check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
+    if step.batch_size == 0:  # the sum over no sample: zero gradients
+        for layer in step.layers:
+            for p in layer.parameters.values():
+                _grad_target(p).zero_()
+        return _empty_batch_norms(model, step, per_param=False)
     keep = _kept_grads(state, step)
     squared = _per_parameter_squared(model, step, "clip_grads", keep)
     norms = _total(squared, step.batch_size)

@@ -116,21 +116,25 @@ def test_disabled_backward_and_unzeroed_grads_are_not_counted():
         psh.compute_grad1(model)
 
 
-def test_accumulation_over_several_backwards_is_checked_as_a_whole():
+def test_several_backwards_of_one_step_are_checked_as_a_whole():
+    """Forwards first, then several backward passes (one step): the check sees their sum. A
+    forward after a backward starts a micro-batch that compute_* refuses (test_batch_edges)."""
     torch.manual_seed(0)
     model = TiedLanguageModel("module").float()
     with psh.add_hooks(model):
-        model(tokens()).pow(2).sum().backward()
-        model(tokens()).sum().backward()
+        out = model(tokens())
+        out.pow(2).sum().backward(retain_graph=True)
+        out.sum().backward()
         psh.compute_grad1(model)
-    model.mode = "matmul"
     with psh.add_hooks(model):
-        model.mode = "module"
-        model(tokens()).sum().backward()
+        seen = model(tokens())
         model.mode = "matmul"
-        model(tokens()).sum().backward()
+        unseen = model(tokens())
+        seen.sum().backward()
+        unseen.sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match="'emb.weight'"):
             psh.compute_grad1(model)
+    model.mode = "module"
 
 
 class Block(nn.Module):
@@ -177,6 +181,7 @@ def test_no_false_positives_float32(batch, length, d, hidden, depth, conv, atten
     model = Model()
     x = torch.randn(batch, length, d) * scale
     with psh.add_hooks(model):
-        for _ in range(passes):
-            (model(x) ** 2).mean().backward()
+        out = model(x)
+        for _ in range(passes):  # several backward passes of one step
+            (out ** 2).mean().backward(retain_graph=True)
         psh.compute_grad1(model)

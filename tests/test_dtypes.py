@@ -1,0 +1,129 @@
+"""Mixed precision and dtypes.
+
+Under ``torch.autocast(device_type="cpu", dtype=torch.bfloat16)`` a hooked module sees and
+returns bfloat16 tensors while its parameters stay float32. The captured inputs and output
+gradients are converted to the parameters' dtype before any rule runs, so per-sample
+quantities come out in float32, computed in float32 from the bfloat16 values of the forward and
+backward. Documented tolerance: against the float32 per-sample loop *without* autocast, each
+parameter's per-sample gradients (and the norms) agree to a relative Frobenius error below
+``AUTOCAST_RTOL`` = 2e-2 (bfloat16 keeps 8 significant bits, relative rounding 2^-8 ~ 4e-3 per
+operation; a few layers compound it; observed at most 7.6e-3 on these models). bfloat16
+parameters give bfloat16 results within ``BF16_RTOL`` = 2e-2 of the float64 loop on the same
+(bfloat16-valued) weights (observed at most 6.6e-3).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, loop_grads, weighted_square
+
+AUTOCAST_RTOL = 2e-2
+BF16_RTOL = 2e-2
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return float((got.double() - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+class Reused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+def models() -> list[tuple[str, nn.Module, tuple[int, ...]]]:
+    torch.manual_seed(0)
+    return [
+        ("mlp", nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), (6,)),
+        ("tokens", nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)), (5, 6)),
+        ("reuse", Reused(), (4, 6)),
+        ("cnn", nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
+                              nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
+                              nn.Linear(4 * 3 * 3, 3)), (2, 5, 5)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=[m[0] for m in models()])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_autocast_bfloat16_forward(index, loss_type):
+    _, model, shape = models()[index]
+    torch.manual_seed(1)
+    x = torch.randn(7, *shape)
+    expected = loop_grads(model, [x], weighted_square, len(x))  # float32, no autocast
+    with psh.add_hooks(model):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            out = model(x)
+        assert out.dtype == torch.bfloat16  # autocast did run the layers in bfloat16
+        losses = weighted_square(out.float())
+        (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+        norms = psh.compute_norms(model, loss_type=loss_type)
+        psh.compute_grad1(model, loss_type=loss_type)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            assert p.grad1.dtype == p.dtype == torch.float32, n
+            reduced = p.grad1.mean(0) if loss_type == "mean" else p.grad1.sum(0)
+            assert relative_error(reduced, p.grad) < AUTOCAST_RTOL, n
+        psh.clip_grads(model, max_norm=0.5, loss_type=loss_type)
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    for n in expected:
+        error = relative_error(got[n], expected[n])
+        assert error < AUTOCAST_RTOL, f"{n}: relative error {error:.2e}"
+    expected_norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    assert norms.dtype == torch.float32
+    assert relative_error(norms, expected_norms) < AUTOCAST_RTOL
+
+
+def test_autocast_captures_are_not_kept_in_float32_twice():
+    """The conversion happens once per step, in the records: a second compute_* finds the
+    records already in the parameters' dtype."""
+    _, model, shape = models()[0]
+    with psh.add_hooks(model) as state:
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(4, *shape))
+        out.float().sum().backward()
+        psh.compute_grad1(model)
+        calls = [c for cs in state.calls.values() for c in cs]
+        assert all(not c.has_other_float_dtype(torch.float32) for c in calls)
+        first = model[0].weight.grad1.clone()
+        psh.compute_grad1(model)
+        torch.testing.assert_close(model[0].weight.grad1, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("index", range(4), ids=[m[0] for m in models()])
+def test_float64_parameters(index):
+    _, model, shape = models()[index]
+    got = assert_matches_loop(model, [torch.randn(5, *shape)], loss_type="sum")
+    assert all(g.dtype == torch.float64 for g in got.values())
+
+
+@pytest.mark.parametrize("index", range(4), ids=[m[0] for m in models()])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_bfloat16_parameters(index, loss_type):
+    _, model, shape = models()[index]
+    model = model.bfloat16()
+    torch.manual_seed(2)
+    x = torch.randn(6, *shape).bfloat16()
+    with psh.add_hooks(model):
+        losses = weighted_square(model(x).float())
+        (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+        norms = psh.compute_norms(model, loss_type=loss_type)
+        psh.compute_grad1(model, loss_type=loss_type)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+        assert all(g.dtype == torch.bfloat16 for g in got.values())
+        assert norms.dtype == torch.bfloat16
+    model64 = model.double()  # the same bfloat16-valued weights, exactly, in float64
+    expected = loop_grads(model64, [x.double()], weighted_square, len(x))
+    for n in expected:
+        error = relative_error(got[n], expected[n])
+        assert error < BF16_RTOL, f"{n}: relative error {error:.2e}"
+    expected_norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    assert relative_error(norms, expected_norms) < BF16_RTOL

@@ -1,0 +1,239 @@
+"""Memory and state: no growth over many steps, nothing captured survives clear/remove, several
+hooked models (and threads) do not interfere."""
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import loop_grads, weighted_square
+
+STEPS = 1000
+RSS_GROWTH_BOUND_MB = 25.0
+"""Generous: a leak of one captured batch per step (inputs and output gradients of this
+model: ~10 kB) would grow by ~10 MB over 1,000 steps, a leak of one per-sample buffer set by
+~30 MB."""
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    pytest.skip("no /proc/self/status: cannot read the resident set size")
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 16),
+                         nn.Tanh(), nn.Linear(16, 3))
+
+
+def train(model: nn.Module, steps: int, generator: torch.Generator, measure_every: int = 0
+          ) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    readings = []
+    for step in range(steps):
+        batch = int(torch.randint(4, 17, (1,), generator=generator))  # varying batch sizes
+        x = torch.randn(batch, 1, 6, 6, generator=generator)
+        y = torch.randint(0, 3, (batch,), generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step % 2:
+            psh.compute_grad1(model)
+        else:
+            psh.clip_grads(model, max_norm=1.0)
+        optimizer.step()
+        if measure_every and step % measure_every == 0:
+            readings.append(resident_mb())
+    return readings
+
+
+def test_thousand_steps_keep_resident_memory_flat():
+    torch.manual_seed(0)
+    model = small_cnn()
+    generator = torch.Generator().manual_seed(0)
+    with psh.add_hooks(model) as state:
+        train(model, 50, generator)  # warm-up: buffers at their largest, allocator settled
+        gc.collect()
+        before = resident_mb()
+        readings = train(model, STEPS, generator, measure_every=100)
+        gc.collect()
+        after = resident_mb()
+        captured = sum(len(calls) for calls in state.calls.values())
+        buffers = len(state.buffers)
+    print(f"\nRSS over {STEPS} steps: before {before:.1f} MB, after {after:.1f} MB, "
+          f"growth {after - before:+.1f} MB; every 100 steps: "
+          + " ".join(f"{r:.1f}" for r in readings))
+    assert after - before < RSS_GROWTH_BOUND_MB, readings
+    assert captured <= 3  # one step's calls at most (one per hooked module)
+    assert buffers <= 2 * 6  # grad1 and kept-grads buffers per parameter, not per step
+
+
+def capture_refs(model: nn.Module) -> list[weakref.ref]:
+    """Weak references to every tensor the hooks hold (inputs, output gradients, buffers)."""
+    state = model.__dict__["_per_sample_hooks"]
+    refs = []
+    for calls in state.calls.values():
+        for call in calls:
+            refs += [weakref.ref(a) for a in call.args if isinstance(a, torch.Tensor)]
+            refs += [weakref.ref(g) for passes in call.grads for g in passes]
+    assert refs, "nothing captured: the test would prove nothing"
+    return refs
+
+
+def one_backward(model: nn.Module, batch: int = 6) -> None:
+    model.zero_grad(set_to_none=True)
+    # the input must not outlive the step: it is one of the captured tensors
+    weighted_square(model(torch.randn(batch, 1, 6, 6))).mean().backward()
+
+
+def test_clear_backprops_frees_every_captured_tensor():
+    model = small_cnn()
+    with psh.add_hooks(model) as state:
+        one_backward(model)
+        refs = capture_refs(model)
+        psh.clear_backprops(model)
+        gc.collect()
+        assert all(r() is None for r in refs)
+        assert not any(state.calls.values())
+
+
+def test_captures_of_a_computed_step_are_freed_by_the_next_forward_or_clear():
+    model = small_cnn()
+    with psh.add_hooks(model):
+        one_backward(model)
+        refs = capture_refs(model)
+        psh.compute_grad1(model)
+        one_backward(model)  # starts a new step: the previous captures go
+        gc.collect()
+        assert all(r() is None for r in refs)
+
+
+def test_remove_hooks_frees_captures_buffers_state_and_hooks():
+    model = small_cnn()
+    psh.add_hooks(model)
+    one_backward(model)
+    refs = capture_refs(model)
+    psh.compute_grad1(model)
+    one_backward(model)
+    refs += capture_refs(model)
+    refs += [weakref.ref(p.grad1) for p in model.parameters()]
+    state_ref = weakref.ref(model.__dict__["_per_sample_hooks"])
+    psh.remove_hooks(model)
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert state_ref() is None
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    # the model works as before and can be hooked again
+    psh.add_hooks(model)
+    one_backward(model)
+    psh.compute_grad1(model)
+    psh.remove_hooks(model)
+
+
+def test_deleting_a_hooked_model_frees_it():
+    model = small_cnn()
+    psh.add_hooks(model)
+    one_backward(model)
+    psh.compute_grad1(model)
+    model_ref = weakref.ref(model)
+    grad1_ref = weakref.ref(model[0].weight.grad1)
+    del model
+    gc.collect()
+    assert model_ref() is None and grad1_ref() is None
+
+
+def mlp(seed: int, width: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 2)).double()
+
+
+def checked_step(model: nn.Module, x: torch.Tensor) -> None:
+    """A hooked step, compared with the float64 loop (hooks paused for the loop)."""
+    model.zero_grad(set_to_none=True)
+    weighted_square(model(x)).mean().backward()
+    psh.compute_grad1(model)
+    got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    psh.disable_hooks(model)
+    try:
+        expected = loop_grads(model, [x], weighted_square, len(x))
+    finally:
+        psh.enable_hooks(model)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
+
+
+def test_two_models_hooked_at_once_do_not_interfere():
+    a, b = mlp(0, 5), mlp(1, 7)
+    with psh.add_hooks(a), psh.add_hooks(b):
+        xa, xb = torch.randn(3, 4).double(), torch.randn(5, 4).double()
+        # interleaved forwards and backwards of the two models in one step
+        la, lb = weighted_square(a(xa)).mean(), weighted_square(b(xb)).mean()
+        a.zero_grad(), b.zero_grad()
+        lb.backward()
+        la.backward()
+        psh.compute_grad1(b)
+        psh.compute_grad1(a)
+        assert a[0].weight.grad1.shape == (3, 5, 4) and b[0].weight.grad1.shape == (5, 7, 4)
+        for _ in range(3):
+            checked_step(a, torch.randn(3, 4).double())
+            checked_step(b, torch.randn(6, 4).double())
+        psh.disable_hooks(a)  # pausing one model leaves the other capturing
+        checked_step(b, torch.randn(2, 4).double())
+        psh.enable_hooks(a)
+        checked_step(a, torch.randn(2, 4).double())
+
+
+def test_two_threads_each_training_its_own_model():
+    errors: list[BaseException] = []
+
+    def worker(seed: int, width: int) -> None:
+        try:
+            model = mlp(seed, width)
+            generator = torch.Generator().manual_seed(seed)
+            with psh.add_hooks(model):
+                for step in range(15):
+                    checked_step(model, torch.randn(2 + step % 5 + seed, 4, generator=generator,
+                                                    dtype=torch.float64))
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(seed, 3 + seed)) for seed in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_deepcopy_of_a_hooked_model_is_an_unhooked_model():
+    """E.g. a target network or an EMA copy: the copy's forwards must not land in the
+    original's records (its copied hooks ignore it), and it can be hooked on its own."""
+    import copy
+
+    original = mlp(0, 5)
+    with psh.add_hooks(original):
+        checked_step(original, torch.randn(3, 4).double())
+        clone = copy.deepcopy(original)
+        with pytest.raises(psh.PerSampleHooksError, match="add_hooks"):
+            psh.compute_grad1(clone)
+        x = torch.randn(4, 4).double()
+        original.zero_grad(set_to_none=True)
+        weighted_square(original(x)).mean().backward()
+        weighted_square(clone(torch.randn(4, 4).double())).mean().backward()  # same batch size
+        psh.compute_grad1(original)
+        got = {n: p.grad1.clone() for n, p in original.named_parameters()}
+        psh.disable_hooks(original)
+        expected = loop_grads(original, [x], weighted_square, len(x))
+        psh.enable_hooks(original)
+        for n in expected:
+            torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
+        with psh.add_hooks(clone):
+            checked_step(clone, torch.randn(2, 4).double())
