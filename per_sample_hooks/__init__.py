@@ -1,5 +1,5 @@
 """per_sample_hooks: per-sample gradients and friends for unchanged ``nn.Module``s, via hooks."""
-from . import distributed  # noqa: F401  (torch.distributed helpers: psh.distributed.*)
+from . import distributed, optim  # noqa: F401  (psh.distributed.*, psh.optim.KFAC)
 from .api import (
     add_hooks,
     clear_backprops,
@@ -13,6 +13,7 @@ from .api import (
 from .capture import Call, HookState
 from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .hessian import batch_hessian
 from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
 from .rules.conv import conv_output_grads, conv_patches, conv_weight_factors
@@ -34,3 +35,4 @@ __all__ = [
     "FallbackRule", "Layout", "register_layout",
 ]
 __all__ += ["compute_norms", "clip_grads", "DPSGD"]
+__all__ += ["optim", "batch_hessian"]

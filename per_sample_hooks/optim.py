@@ -1,0 +1,311 @@
+"""KFAC as a gradient preconditioner for any torch optimizer.
+
+::
+
+    precond = psh.optim.KFAC(model, damping=1e-3, factor_decay=0.95, inverse_freq=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        precond.step()        # p.grad <- KFAC-preconditioned gradient (covered layers only)
+        optimizer.step()
+
+Math, per covered layer (every hooked ``Linear`` / ``Conv1d/2d/3d`` with a trainable weight, as
+:func:`per_sample_hooks.curvature.compute_kfac` returns them). The weight gradient is seen as a
+matrix ``M [dg, da]`` (Linear ``[out, in]``, conv ``[C_out, C_in/groups * prod(kernel)]``, the
+bias gradient, if the bias is trainable, appended as the last column), and the curvature block
+of the (mean) loss for ``vec(M)`` (row-major) as ``kron(G, A)`` with ``A [da, da]``,
+``G [dg, dg]``. For a grouped conv everything is per group: ``A [groups, da, da]``,
+``G [groups, dg/groups, dg/groups]``, ``M`` viewed as ``[groups, dg/groups, da]``.
+
+1. Running averages (every ``update_freq`` steps; the first update takes the factors as is):
+   ``A <- decay * A + (1 - decay) * A_new`` and the same for ``G``.
+2. Eigendecompositions (every ``inverse_freq`` steps, batched over groups, in float64):
+   ``A = Q_A diag(l_A) Q_A^T``, ``G = Q_G diag(l_G) Q_G^T`` (eigenvalues clamped at 0).
+3. Preconditioned gradient (KFAC-eigen with Tikhonov damping ``lambda``)::
+
+       P = Q_G [ (Q_G^T M Q_A) / (l_G l_A^T + lambda) ] Q_A^T
+
+   which is ``(kron(G, A) + lambda I)^{-1} vec(M)`` exactly; with ``lambda -> 0`` it is the
+   natural-gradient / Newton direction ``G^{-1} M A^{-1}``.
+4. Optional step-size control over all covered layers (applied in this order):
+
+   - ``kl_clip`` (Ba et al. 2017; Grosse & Martens 2016): with ``lr`` the optimizer's
+     learning rate, the predicted change of the model's output distribution is
+     ``lr^2 * sum_layers <P, M>``; ``P`` is scaled by
+     ``nu = min(1, sqrt(kl_clip / (lr^2 * sum <P, M>)))``.
+   - ``rescale_norm=True``: ``P`` is scaled to the global norm of the original gradients of
+     the covered layers (KFAC gives the direction, the optimizer's step size stays meaningful).
+
+``P`` is split back into ``weight.grad`` and ``bias.grad``. Parameters of layers that
+``compute_kfac`` does not cover (norm layers, embeddings, the fallback) keep their gradient.
+
+Which curvature the factors describe is decided by the backward passes the hooks saw
+(see :mod:`per_sample_hooks.curvature`): after the ordinary ``loss.backward()`` they are the
+empirical-Fisher factors; with ``backprop_hess`` they are the Gauss-Newton / Fisher ones.
+``step()`` reads them and then clears the captured records (``clear_backprops``): call any other
+``compute_*`` function of the same step before ``precond.step()``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hooks
+from .capture import STATE_ATTRIBUTE, unwrap
+
+Factors = Mapping[nn.Module, tuple[Tensor, Tensor]]
+FactorFn = Callable[[nn.Module], Factors]
+Approx = Literal["expand", "reduce"]
+
+
+@dataclass
+class Eigen:
+    """Eigendecompositions of one layer's factors, batched over groups.
+
+    ``q_a [g, da, da]``, ``l_a [g, da]``, ``q_g [g, dg/g, dg/g]``, ``l_g [g, dg/g]``.
+    """
+    q_a: Tensor
+    l_a: Tensor
+    q_g: Tensor
+    l_g: Tensor
+
+
+def as_grouped(factor: Tensor) -> Tensor:
+    """A factor ``[d, d]`` as ``[1, d, d]``; a grouped factor ``[g, d, d]`` unchanged."""
+    if factor.dim() == 2:
+        return factor.unsqueeze(0)
+    if factor.dim() == 3:
+        return factor
+    raise ValueError(f"KFAC: a Kronecker factor must be [d, d] or [groups, d, d], got "
+                     f"{tuple(factor.shape)}")
+
+
+def symmetric_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
+    """``(eigenvalues [..., d], eigenvectors [..., d, d])`` of a batch of symmetric PSD matrices
+    ``[..., d, d]``, computed in float64 on the symmetrized matrix, eigenvalues clamped at 0,
+    returned in ``factor``'s dtype."""
+    f64 = factor.to(torch.float64)
+    values, vectors = torch.linalg.eigh((f64 + f64.mT) / 2)
+    return values.clamp_min(0).to(factor.dtype), vectors.to(factor.dtype)
+
+
+def eigen_of(a: Tensor, g: Tensor) -> Eigen:
+    """:class:`Eigen` of grouped factors ``a [g, da, da]`` and ``g [g, dg/g, dg/g]``."""
+    l_a, q_a = symmetric_eigh(a)
+    l_g, q_g = symmetric_eigh(g)
+    return Eigen(q_a, l_a, q_g, l_g)
+
+
+def precondition(m: Tensor, eigen: Eigen, damping: float) -> Tensor:
+    """``Q_G [(Q_G^T M Q_A) / (l_G l_A^T + damping)] Q_A^T`` for ``m [g, dg/g, da]``.
+
+    Equals ``(kron(G, A) + damping I)^{-1} vec(M)`` per group (row-major ``vec``).
+    """
+    rotated = eigen.q_g.mT @ m @ eigen.q_a
+    rotated = rotated / (eigen.l_g.unsqueeze(-1) * eigen.l_a.unsqueeze(-2) + damping)
+    return eigen.q_g @ rotated @ eigen.q_a.mT
+
+
+def has_trainable_bias(module: nn.Module) -> bool:
+    bias = getattr(module, "bias", None)
+    return isinstance(bias, Tensor) and bias.requires_grad
+
+
+def gradient_matrix(module: nn.Module, groups: int, da: int) -> Tensor | None:
+    """The weight gradient (and bias gradient as the last column) as ``[groups, dg/groups, da]``;
+    None when the weight has no gradient."""
+    weight = module.weight
+    if weight.grad is None:
+        return None
+    m = weight.grad.reshape(groups, weight.shape[0] // groups, -1)
+    if has_trainable_bias(module):
+        bias = module.bias.grad
+        bias = torch.zeros_like(module.bias) if bias is None else bias
+        m = torch.cat([m, bias.reshape(groups, -1, 1).to(m.dtype)], dim=-1)
+    if m.shape[-1] != da:
+        raise ValueError(f"KFAC: {type(module).__name__}'s gradient matrix has {m.shape[-1]} "
+                         f"columns but its factor A is {da} x {da}")
+    return m
+
+
+def write_back(module: nn.Module, p: Tensor) -> None:
+    """Split ``p [groups, dg/groups, da]`` into ``weight.grad`` and ``bias.grad`` (in place)."""
+    weight = module.weight
+    if has_trainable_bias(module):
+        p, bias = p[..., :-1], p[..., -1]
+        if module.bias.grad is None:
+            module.bias.grad = bias.reshape(module.bias.shape).clone()
+        else:
+            module.bias.grad.copy_(bias.reshape(module.bias.shape))
+    weight.grad.copy_(p.reshape(weight.shape))
+
+
+def default_factors(approx: Approx, loss_type: LossType) -> FactorFn:
+    """``model -> compute_kfac(model, approx, loss_type)``."""
+    def factors(model: nn.Module) -> Factors:
+        from .curvature import compute_kfac  # noqa: PLC0415  (curvature imports torch.func)
+        return compute_kfac(model, approx=approx, loss_type=loss_type)
+    return factors
+
+
+class KFAC:
+    """KFAC preconditioner: replaces covered layers' gradients by ``(kron(G, A) + damping)^-1``
+    times the gradient, for use before any optimizer's ``step()`` (see the module docstring).
+
+    Args:
+        model: the model; hooked with :func:`per_sample_hooks.add_hooks` if it is not already
+            (:meth:`close` removes hooks added here).
+        damping: Tikhonov damping ``lambda`` added to the eigenvalues ``l_G l_A^T``.
+        factor_decay: running-average decay of ``A`` and ``G`` (0: latest factors only).
+        update_freq: read new factors every this many steps. Between updates the hooks are
+            disabled (``pause_hooks``), so those steps cost a plain forward and backward.
+        inverse_freq: recompute the eigendecompositions every this many steps.
+        approx, loss_type: passed to ``compute_kfac`` (``"expand"``/``"reduce"`` for layers with
+            positions; ``"mean"``/``"sum"``: how the loss reduces the batch).
+        kl_clip: if set, bound the predicted KL change ``lr^2 <P, M>`` by it (needs ``lr``).
+        lr: the optimizer's learning rate, used only by ``kl_clip``; update ``precond.lr``
+            along with a schedule.
+        rescale_norm: scale the preconditioned gradients to the norm of the original ones.
+        pause_hooks: disable the model's hooks on steps that read no factors (``update_freq >
+            1``); set False if something else reads the hooks on every step.
+        factors: ``model -> {module: (A, G)}``; default ``compute_kfac(model, approx,
+            loss_type)`` after the step's backward. Any function with that contract works.
+    """
+
+    def __init__(self, model: nn.Module, *, damping: float = 1e-3, factor_decay: float = 0.95,
+                 update_freq: int = 1, inverse_freq: int = 10, approx: Approx = "expand",
+                 loss_type: LossType = "mean", kl_clip: float | None = None, lr: float = 1.0,
+                 rescale_norm: bool = False, pause_hooks: bool = True,
+                 factors: FactorFn | None = None) -> None:
+        if damping < 0:
+            raise ValueError(f"KFAC: damping must be >= 0, got {damping}")
+        if not 0 <= factor_decay < 1:
+            raise ValueError(f"KFAC: factor_decay must be in [0, 1), got {factor_decay}")
+        if update_freq < 1 or inverse_freq < 1:
+            raise ValueError("KFAC: update_freq and inverse_freq must be >= 1")
+        if kl_clip is not None and kl_clip <= 0:
+            raise ValueError(f"KFAC: kl_clip must be > 0, got {kl_clip}")
+        self.model = model
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.update_freq = update_freq
+        self.inverse_freq = inverse_freq
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.rescale_norm = rescale_norm
+        self.pause_hooks = pause_hooks
+        self.read_factors = factors or default_factors(approx, loss_type)
+        self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
+        add_hooks(model)
+        self.steps = 0
+        self.factors: dict[nn.Module, tuple[Tensor, Tensor]] = {}  # running averages, grouped
+        self.eigen: dict[nn.Module, Eigen] = {}
+        self.names = {m: n for n, m in unwrap(model).named_modules()}
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update factors / eigendecompositions when due, then precondition the gradients."""
+        if self.steps % self.update_freq == 0:
+            self.update_factors(self.read_factors(self.model))
+        clear_backprops(self.model)
+        if self.steps % self.inverse_freq == 0 or any(m not in self.eigen for m in self.factors):
+            self.update_eigen()
+        self.precondition_grads()
+        self.steps += 1
+        if self.pause_hooks and self.update_freq > 1:
+            (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
+
+    def update_factors(self, new: Factors) -> None:
+        """Fold ``new`` factors into the running averages (the first ones are taken as is)."""
+        decay = self.factor_decay
+        for module, (a, g) in new.items():
+            a, g = as_grouped(a.detach()), as_grouped(g.detach())
+            old = self.factors.get(module)
+            if old is None or old[0].shape != a.shape or old[1].shape != g.shape:
+                self.factors[module] = (a.clone(), g.clone())
+            else:
+                old[0].mul_(decay).add_(a, alpha=1 - decay)
+                old[1].mul_(decay).add_(g, alpha=1 - decay)
+
+    def update_eigen(self) -> None:
+        """Eigendecompositions of the current running averages."""
+        self.eigen = {m: eigen_of(a, g) for m, (a, g) in self.factors.items()}
+
+    def precondition_grads(self) -> None:
+        """Replace covered gradients by the damped KFAC direction, with step-size control."""
+        pairs: list[tuple[nn.Module, Tensor, Tensor]] = []
+        for module, eigen in self.eigen.items():
+            m = gradient_matrix(module, eigen.q_a.shape[0], eigen.q_a.shape[-1])
+            if m is not None:
+                pairs.append((module, m, precondition(m, eigen, self.damping)))
+        scale = self.step_scale([(m, p) for _, m, p in pairs])
+        for module, _, p in pairs:
+            write_back(module, p * scale if scale != 1.0 else p)
+
+    def step_scale(self, pairs: list[tuple[Tensor, Tensor]]) -> float:
+        """The factor applied to every preconditioned gradient (1 without step-size control)."""
+        scale = 1.0
+        if not pairs:
+            return scale
+        if self.kl_clip is not None:
+            vg = sum(float((p * m).sum()) for m, p in pairs) * self.lr ** 2
+            if vg > 0:
+                scale = min(1.0, math.sqrt(self.kl_clip / vg))
+        if self.rescale_norm:
+            before = math.sqrt(sum(float(m.pow(2).sum()) for m, _ in pairs))
+            after = math.sqrt(sum(float(p.pow(2).sum()) for _, p in pairs)) * scale
+            if after > 0:
+                scale *= before / after
+        return scale
+
+    # ------------------------------------------------------------------ life cycle, state
+
+    def close(self) -> None:
+        """Remove the hooks if this preconditioner added them (re-enable them otherwise)."""
+        from .api import remove_hooks  # noqa: PLC0415
+        if self.owns_hooks:
+            remove_hooks(self.model)
+        elif unwrap(self.model).__dict__.get(STATE_ATTRIBUTE) is not None:
+            enable_hooks(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and running factors, keyed by qualified module name (eigendecompositions
+        are recomputed after loading)."""
+        return {
+            "steps": self.steps,
+            "factors": {self.names[m]: (a.clone(), g.clone()) for m, (a, g) in
+                        self.factors.items()},
+            "hyperparameters": {"damping": self.damping, "factor_decay": self.factor_decay,
+                                "update_freq": self.update_freq,
+                                "inverse_freq": self.inverse_freq, "kl_clip": self.kl_clip,
+                                "lr": self.lr, "rescale_norm": self.rescale_norm},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (on a model with the same module names)."""
+        modules = dict(unwrap(self.model).named_modules())
+        missing = [n for n in state["factors"] if n not in modules]
+        if missing:
+            raise KeyError(f"KFAC.load_state_dict: no module named {missing} in the model")
+        self.steps = int(state["steps"])
+        for name, value in state.get("hyperparameters", {}).items():
+            setattr(self, name, value)
+        self.factors = {}
+        for name, (a, g) in state["factors"].items():
+            w = modules[name].weight
+            self.factors[modules[name]] = (a.to(w.device, w.dtype).clone(),
+                                           g.to(w.device, w.dtype).clone())
+        self.update_eigen()
+        if self.pause_hooks and self.update_freq > 1:
+            (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
+
+
+__all__ = ["KFAC", "Eigen", "precondition", "eigen_of", "symmetric_eigh"]
