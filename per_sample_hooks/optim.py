@@ -277,12 +277,14 @@ class KFAC:
             enable_hooks(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step count and running factors, keyed by qualified module name (eigendecompositions
-        are recomputed after loading)."""
+        """Step count, running factors and their eigendecompositions (those in use until the
+        next ``inverse_freq`` step), keyed by qualified module name."""
         return {
             "steps": self.steps,
             "factors": {self.names[m]: (a.clone(), g.clone()) for m, (a, g) in
                         self.factors.items()},
+            "eigen": {self.names[m]: tuple(t.clone() for t in (e.q_a, e.l_a, e.q_g, e.l_g))
+                      for m, e in self.eigen.items()},
             "hyperparameters": {"damping": self.damping, "factor_decay": self.factor_decay,
                                 "update_freq": self.update_freq,
                                 "inverse_freq": self.inverse_freq, "kl_clip": self.kl_clip,
@@ -298,12 +300,14 @@ class KFAC:
         self.steps = int(state["steps"])
         for name, value in state.get("hyperparameters", {}).items():
             setattr(self, name, value)
-        self.factors = {}
-        for name, (a, g) in state["factors"].items():
+        def like_weight(name: str, tensors: tuple[Tensor, ...]) -> list[Tensor]:
             w = modules[name].weight
-            self.factors[modules[name]] = (a.to(w.device, w.dtype).clone(),
-                                           g.to(w.device, w.dtype).clone())
-        self.update_eigen()
+            return [t.to(w.device, w.dtype).clone() for t in tensors]
+        self.factors = {modules[n]: tuple(like_weight(n, f)) for n, f in state["factors"].items()}
+        if "eigen" in state:
+            self.eigen = {modules[n]: Eigen(*like_weight(n, e)) for n, e in state["eigen"].items()}
+        else:
+            self.update_eigen()
         if self.pause_hooks and self.update_freq > 1:
             (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
 

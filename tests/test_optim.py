@@ -1,0 +1,262 @@
+"""psh.optim.KFAC: the preconditioner's math against explicit Kronecker solves and Newton steps,
+running averages, grouped conv, uncovered parameters, step-size control, state dict."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import per_sample_hooks as psh
+from per_sample_hooks.capture import get_state
+from per_sample_hooks.optim import KFAC
+
+try:
+    from per_sample_hooks.curvature import compute_kfac
+except ImportError:  # the curvature module is written at the same time: a stand-in until then
+    compute_kfac = None
+
+
+def with_bias_column(a: Tensor, module: nn.Module) -> Tensor:
+    if module.bias is not None and module.bias.requires_grad:
+        return torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
+    return a
+
+
+def kfac_by_hand(model: nn.Module) -> dict[nn.Module, tuple[Tensor, Tensor]]:
+    """Empirical-Fisher KFAC factors ("expand", mean loss) from the hooks' captured records,
+    with compute_kfac's shapes: Linear A [da, da], G [dg, dg]; conv A [groups, da, da],
+    G [groups, dg/groups, dg/groups] when groups > 1."""
+    out = {}
+    for module, _, calls in get_state(model).hooked_calls():
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or not calls:
+            continue
+        call = calls[0]
+        x, g = call.activation(), call.backprop()
+        batch = x.shape[0]
+        g = g * batch  # per-sample loss gradients of the mean loss
+        if isinstance(module, nn.Linear):
+            a = with_bias_column(x.reshape(-1, x.shape[-1]), module)
+            g = g.reshape(-1, g.shape[-1])
+            out[module] = (a.T @ a / batch, g.T @ g / batch)
+            continue
+        left, right = psh.conv_weight_factors(module, x, g)  # [B, G, T, Cout/G], [B, G, T, K]
+        right = with_bias_column(right, module)
+        positions = right.shape[2]
+        a = torch.einsum("bgti,bgtj->gij", right, right) / (batch * positions)
+        gg = torch.einsum("bgti,bgtj->gij", left, left) / batch
+        out[module] = (a, gg) if module.groups > 1 else (a[0], gg[0])
+    return out
+
+
+def factor_source():
+    """The real compute_kfac if it exists, else the stand-in."""
+    if compute_kfac is None:
+        return kfac_by_hand
+    return None  # KFAC's default: compute_kfac(model, approx, loss_type)
+
+
+def flat_grads(params) -> Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+# ----------------------------------------------------------------------------- exactness
+
+def test_single_linear_mse_step_is_newton_step():
+    """Linear + MSE: the loss Hessian for [W | b] row-major is exactly kron(2/out I, E[a a^T]);
+    with those factors and damping 0, the preconditioned gradient is the Newton step, and one
+    SGD step of lr 1 lands on the least-squares solution."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3).double()
+    x, y = torch.randn(40, 5, dtype=torch.float64), torch.randn(40, 3, dtype=torch.float64)
+
+    def exact(model):
+        a = torch.cat([x, torch.ones(40, 1, dtype=torch.float64)], 1)
+        return {layer: (a.T @ a / 40, torch.eye(3, dtype=torch.float64) * 2 / 3)}
+
+    precond = KFAC(layer, damping=0.0, factors=exact)
+    F.mse_loss(layer(x), y).backward()
+    theta = torch.cat([layer.weight, layer.bias[:, None]], 1).detach()
+
+    def loss_of(t):
+        return F.mse_loss(x @ t[:, :5].T + t[:, 5], y)
+    hess = torch.autograd.functional.hessian(loss_of, theta).reshape(18, 18)
+    grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).reshape(18)
+    newton = torch.linalg.solve(hess, grad).reshape(3, 6)
+    precond.step()
+    torch.testing.assert_close(layer.weight.grad, newton[:, :5])
+    torch.testing.assert_close(layer.bias.grad, newton[:, 5])
+    torch.optim.SGD(layer.parameters(), lr=1.0).step()
+    a = torch.cat([x, torch.ones(40, 1, dtype=torch.float64)], 1)
+    best = torch.linalg.lstsq(a, y).solution.T
+    torch.testing.assert_close(torch.cat([layer.weight, layer.bias[:, None]], 1).detach(), best)
+
+
+def test_damped_direction_is_the_kronecker_solve():
+    """(kron(G, A) + lambda I)^{-1} vec(M), row-major vec, with the factors read."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    precond = KFAC(model, damping=0.1, factors=kfac_by_hand)
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    F.cross_entropy(model(x), y).backward()
+    grads = {m: torch.cat([m.weight.grad, m.bias.grad[:, None]], 1).clone()
+             for m in (model[0], model[2])}
+    factors = kfac_by_hand(model)
+    precond.step()
+    for m, grad in grads.items():
+        a, g = factors[m]
+        big = torch.kron(g, a) + 0.1 * torch.eye(a.shape[0] * g.shape[0], dtype=torch.float64)
+        want = torch.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+        torch.testing.assert_close(m.weight.grad, want[:, :-1])
+        torch.testing.assert_close(m.bias.grad, want[:, -1])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_conv_per_group_solves(bias):
+    torch.manual_seed(2)
+    conv = nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=bias).double()
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(6 * 25, 2)).double()
+    precond = KFAC(model, damping=0.05, factors=factor_source())
+    x = torch.randn(8, 4, 5, 5, dtype=torch.float64)
+    F.cross_entropy(model(x), torch.randint(0, 2, (8,))).backward()
+    m = conv.weight.grad.reshape(2, 3, 18)
+    if bias:
+        m = torch.cat([m, conv.bias.grad.reshape(2, 3, 1)], -1)
+    m = m.clone()
+    precond.step()
+    a, g = precond.factors[conv]
+    assert a.shape == (2, 18 + bias, 18 + bias) and g.shape == (2, 3, 3)
+    got = conv.weight.grad.reshape(2, 3, 18)
+    if bias:
+        got = torch.cat([got, conv.bias.grad.reshape(2, 3, 1)], -1)
+    for k in range(2):
+        big = torch.kron(g[k], a[k]) + 0.05 * torch.eye(3 * a.shape[-1], dtype=torch.float64)
+        want = torch.linalg.solve(big, m[k].reshape(-1)).reshape(m[k].shape)
+        torch.testing.assert_close(got[k], want)
+
+
+# ----------------------------------------------------------------------------- book-keeping
+
+def test_running_average_and_update_frequency():
+    """A <- decay A + (1 - decay) A_new on update steps only (every update_freq); the hooks are
+    off on the other steps; the eigendecompositions follow inverse_freq."""
+    torch.manual_seed(3)
+    layer = nn.Linear(2, 2)
+    seen = []
+
+    def factors(model):
+        k = len(seen) + 1
+        seen.append(k)
+        return {layer: (torch.eye(3) * k, torch.eye(2) * 10 * k)}
+
+    precond = KFAC(layer, factor_decay=0.5, update_freq=2, inverse_freq=4, factors=factors)
+    state = get_state(layer)
+    enabled = []
+    eigen_a = []
+    for _ in range(6):
+        enabled.append(state.enabled)
+        layer.zero_grad()
+        layer(torch.randn(4, 2)).sum().backward()
+        precond.step()
+        eigen_a.append(precond.eigen[layer].l_a.max().item())
+    assert seen == [1, 2, 3]  # steps 0, 2, 4
+    assert enabled == [True, False, True, False, True, False]
+    a, g = precond.factors[layer]
+    want = (0.5 * (0.5 * 1 + 0.5 * 2) + 0.5 * 3)  # 2.25
+    torch.testing.assert_close(a, torch.eye(3).unsqueeze(0) * want)
+    torch.testing.assert_close(g, torch.eye(2).unsqueeze(0) * 10 * want)
+    assert eigen_a == pytest.approx([1, 1, 1, 1, 2.25, 2.25])  # recomputed at steps 0 and 4
+    precond.close()
+    assert not hasattr(layer, psh.capture.STATE_ATTRIBUTE) or \
+        layer.__dict__.get(psh.capture.STATE_ATTRIBUTE) is None
+
+
+def test_uncovered_parameters_keep_their_gradient():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
+                          nn.LayerNorm(4 * 16), nn.Linear(4 * 16, 3))
+    precond = KFAC(model, factors=factor_source())
+    F.cross_entropy(model(torch.randn(8, 1, 6, 6)), torch.randint(0, 3, (8,))).backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    precond.step()
+    for n, p in model.named_parameters():
+        if n.startswith(("1.", "4.")):
+            assert torch.equal(p.grad, before[n]), n
+        else:
+            assert not torch.allclose(p.grad, before[n]), n
+
+
+def test_rescale_norm_and_kl_clip():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
+
+    def run(**options):
+        net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+        net.load_state_dict(model.state_dict())
+        precond = KFAC(net, damping=1e-2, factors=kfac_by_hand, **options)
+        F.cross_entropy(net(x), y).backward()
+        original = flat_grads(net.parameters())
+        precond.step()
+        return original, flat_grads(net.parameters())
+
+    original, plain = run()
+    _, rescaled = run(rescale_norm=True)
+    torch.testing.assert_close(rescaled.norm(), original.norm())
+    torch.testing.assert_close(rescaled / rescaled.norm(), plain / plain.norm())
+    vg = float(plain @ original)
+    _, clipped = run(kl_clip=vg * 0.01 / 4, lr=0.1)  # lr^2 vg = 0.01 vg > kl_clip: nu = 1/2
+    torch.testing.assert_close(clipped, plain / 2)
+    _, unclipped = run(kl_clip=vg, lr=0.1)
+    torch.testing.assert_close(unclipped, plain)
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    precond = KFAC(model, factors=kfac_by_hand, update_freq=1, inverse_freq=3)
+    for _ in range(2):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(8, 3)), torch.randn(8, 2)).backward()
+        precond.step()
+    saved = precond.state_dict()
+    clone = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    clone.load_state_dict(model.state_dict())
+    other = KFAC(clone, factors=kfac_by_hand, update_freq=1, inverse_freq=3)
+    other.load_state_dict(saved)
+    assert other.steps == 2
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    for net, p in ((model, precond), (clone, other)):
+        net.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        p.step()
+    torch.testing.assert_close(flat_grads(model.parameters()), flat_grads(clone.parameters()))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="factor_decay"):
+        KFAC(nn.Linear(2, 2), factor_decay=1.0)
+    with pytest.raises(ValueError, match="damping"):
+        KFAC(nn.Linear(2, 2), damping=-1)
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_a_few_steps_decrease_the_loss():
+    """SGD + KFAC on a small classification problem: the loss falls well within 20 steps."""
+    torch.manual_seed(7)
+    x = torch.randn(128, 1, 6, 6)
+    y = (x.mean((1, 2, 3)) > 0).long() + 2 * (x[:, :, :3].mean((1, 2, 3)) > 0).long()
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 4))
+    precond = KFAC(model, damping=1e-2, factor_decay=0.9, inverse_freq=5,
+                   factors=factor_source())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        precond.step()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
