@@ -11,6 +11,14 @@ from .api import (
     remove_hooks,
 )
 from .capture import Call, HookState
+from .curvature import (
+    backprop_hess,
+    compute_fisher_diag,
+    compute_grad_variance,
+    compute_gram,
+    compute_hess,
+    compute_kfac,
+)
 from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .hessian import batch_hessian
@@ -36,3 +44,5 @@ __all__ = [
 ]
 __all__ += ["compute_norms", "clip_grads", "DPSGD"]
 __all__ += ["optim", "batch_hessian"]
+__all__ += ["backprop_hess", "compute_hess", "compute_kfac", "compute_fisher_diag",
+            "compute_grad_variance", "compute_gram"]

@@ -7,7 +7,7 @@ loss, 1 for a sum loss), and knows nothing about hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ..capture import Call
+from ..errors import PerSampleHooksError, UnsupportedModuleError
 from ..unseen import Probe, project, project_samples
 
 
@@ -138,6 +139,114 @@ class Rule:
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
         cannot give exact per-sample quantities (``name`` is the module's path)."""
+
+    # ---------------------------------------------------------------- curvature
+    # ``calls`` may hold several backward passes (``Call.backprops``): one per row of the loss
+    # Hessian's square root after ``backprop_hess``, one after an ordinary backward. Curvature
+    # sums over passes; ``scale`` is the batch size (mean loss) or 1 (sum loss), so that
+    # ``scale * captured`` is the per-sample quantity in the units of ``grad1``.
+
+    def kfac(self, module: nn.Module, calls: Sequence[Call], scale: float, approx: str
+             ) -> tuple[Tensor, Tensor]:
+        """Kronecker factors ``(A, G)`` of the layer (see :mod:`per_sample_hooks.curvature`
+        for the layout and scaling contract). No default: a layer needs a matrix view of its
+        weight for Kronecker factors to make sense."""
+        raise UnsupportedModuleError(
+            f"Kronecker factors (kfac) are not available for {type(module).__name__}: its rule "
+            f"{type(self).__name__} defines no kfac method (built in: Linear, Conv1d/2d/3d)")
+
+    def hess(self, module: nn.Module, calls: Sequence[Call], scale: float,
+             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``{name: [n, n]}`` (``n = param.numel()``): the Gauss-Newton block of the reduced
+        loss for each parameter, from the captured passes. No default; rules whose
+        :meth:`grad1` is exact per pass opt in with ``return hess_from_grad1(self, ...)``."""
+        raise UnsupportedModuleError(
+            f"Hessian blocks (hess) are not available for {type(module).__name__}: its rule "
+            f"{type(self).__name__} defines no hess method (built in: Linear, Conv1d/2d/3d)")
+
+    def sum_squared_grads(self, module: nn.Module, calls: Sequence[Call], scale: float,
+                          params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``{name: param.shape}``: ``sum_i sum_passes grad1_i^2`` (per-sample gradients of
+        each pass, ``scale`` included). Default: materialize one parameter at a time, free."""
+        result = {}
+        for name, _, pass_grads in _materialized_passes(self, module, calls, params):
+            total = None
+            for per_sample in pass_grads:
+                squared = per_sample.square().sum(0)
+                total = squared if total is None else total.add_(squared)
+            result[name] = total.mul_(scale * scale)
+        return result
+
+    def gram(self, module: nn.Module, calls: Sequence[Call], scale: float,
+             params: Mapping[str, Tensor]) -> Tensor:
+        """``[B, B]``: ``sum_params sum_passes <grad1_i, grad1_j>`` (``scale`` included).
+        Default: materialize one parameter at a time, one matmul, free."""
+        total = None
+        for _, batch, pass_grads in _materialized_passes(self, module, calls, params):
+            for per_sample in pass_grads:
+                flat = per_sample.reshape(batch, -1)
+                total = flat @ flat.t() if total is None else total.addmm_(flat, flat.t())
+        return total.mul_(scale * scale)
+
+
+def single_pass(call: Call, index: int) -> Call:
+    """A view of ``call`` holding only backward pass ``index`` (nothing copied)."""
+    view = Call.__new__(Call)
+    view.args, view.kwargs, view.batch_dim = call.args, call.kwargs, call.batch_dim
+    view.training, view.versions = call.training, call.versions
+    view.grads = [[passes[index]] if index < len(passes) else [] for passes in call.grads]
+    return view
+
+
+def split_passes(calls: Sequence[Call]) -> list[list[Call]]:
+    """``calls`` (several backward passes each) as one list of single-pass views per pass.
+
+    Pass ``k`` of every call belongs to the same backward pass, so all calls must have seen
+    the same number of passes."""
+    counts = {c.n_passes for c in calls}
+    if len(counts) > 1:
+        raise PerSampleHooksError(
+            f"the calls of one module saw different numbers of backward passes {sorted(counts)}"
+            ": some pass did not reach every call, so passes cannot be paired. Run "
+            "backprop_hess (or one backward) on a fresh forward")
+    n = counts.pop() if counts else 0
+    if n <= 1:
+        return [list(calls)] if n else []
+    return [[single_pass(c, k) for c in calls] for k in range(n)]
+
+
+def _materialized_passes(rule: Rule, module: nn.Module, calls: Sequence[Call],
+                         params: Mapping[str, Tensor]
+                         ) -> Iterator[tuple[str, int, Iterator[Tensor]]]:
+    """For each parameter: ``(name, B, per-pass per-sample gradients [B, *param.shape])``,
+    captured scale, one reused temporary per parameter."""
+    batch = rule.batch_size(module, calls[0])
+    passes = split_passes(calls)
+    for name, param in params.items():
+        buffer = param.new_empty((batch, *param.shape))
+
+        def each_pass(name: str = name, buffer: Tensor = buffer) -> Iterator[Tensor]:
+            for pass_calls in passes:
+                rule.grad1(module, pass_calls, 1.0, {name: buffer})
+                yield buffer
+        yield name, batch, each_pass()
+
+
+def hess_from_grad1(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: float,
+                    params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Exact Gauss-Newton blocks from per-pass per-sample gradients ``J_i`` (``[B, n]`` each):
+    ``scale * sum_passes J^T J`` (captured scale, so ``(1/B) sum_i x_i x_i^T`` for a mean
+    loss, ``x_i`` sample i's gradient of the pass). Exact for any rule whose :meth:`grad1` is
+    exact; costs ``B n^2`` per pass."""
+    result = {}
+    for name, batch, pass_grads in _materialized_passes(rule, module, calls, params):
+        n = params[name].numel()
+        block = params[name].new_zeros((n, n))
+        for per_sample in pass_grads:
+            flat = per_sample.reshape(batch, n)
+            block.addmm_(flat.t(), flat, alpha=scale)
+        result[name] = block
+    return result
 
 
 def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:

@@ -24,7 +24,7 @@ measured faster: 3d convolutions with many input channels per group
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,14 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import KeptGrads, Rule, contract_samples, register_rule
+from .base import (
+    KeptGrads,
+    Rule,
+    contract_samples,
+    hess_from_grad1,
+    register_rule,
+    split_passes,
+)
 from .ghost import (
     bias_norms_squared,
     choose_method,
@@ -42,6 +49,7 @@ from .ghost import (
     weight_norms_squared,
     weighted_bias_sum,
 )
+from .kronecker import Approx, input_factor, output_factor
 from .linear import add_outer_products, add_position_sums
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
@@ -246,6 +254,28 @@ class ConvRule(Rule):
             contract_samples(out["weight"], kept, weights)
             out = {n: t for n, t in out.items() if n != "weight"}
         conv_weighted_sum(module, calls, weights, out)
+
+    def kfac(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
+             approx: Approx) -> tuple[Tensor, Tensor]:
+        """``A [(G,) K(+1), K(+1)]`` from the patches (unfolded a chunk of samples at a time),
+        ``G [(G,) Cout/G, Cout/G]``; the group dim only when ``groups > 1``."""
+        ones = module.bias is not None and module.bias.requires_grad
+        inputs = [layer_input(c) for c in calls]
+        batch = inputs[0].shape[0]
+        positions = sum(c.backprop()[0, 0].numel() for c in calls)
+        per_sample = module.groups * positions * module.weight[0].numel()
+        chunks = ([conv_patches(module, x[start:stop]) for x in inputs]
+                  for start, stop in sample_chunks(batch, per_sample))
+        a = input_factor(chunks, batch, ones, approx)
+        passes = [[conv_output_grads(module, c.backprop()) for c in pass_calls]
+                  for pass_calls in split_passes(calls)]
+        g = output_factor(passes, scale, approx)
+        return (a[0], g[0]) if module.groups == 1 else (a, g)
+
+    def hess(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
+             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Exact Gauss-Newton blocks from per-pass per-sample gradients."""
+        return hess_from_grad1(self, module, calls, scale, params)
 
 
 def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,

@@ -1,0 +1,344 @@
+"""Curvature from the hooks: Gauss-Newton blocks, Kronecker factors (KFAC), gradient second
+moments (empirical Fisher diagonal, per-parameter variance, per-sample Gram matrix).
+
+Two ways to fill the hooks, then one ``compute_*`` call::
+
+    add_hooks(model)
+    output = model(x)
+    backprop_hess(output, "CrossEntropy")   # GGN / Fisher: one backward pass per class
+    compute_hess(model)                     # p.hess: exact GGN block of the mean loss
+    factors = compute_kfac(model)           # {module: (A, G)}: kron(G, A) ~ GGN block
+
+    loss = F.cross_entropy(model(x), y); loss.backward()  # an ordinary backward instead:
+    factors = compute_kfac(model)           # empirical-Fisher factors
+
+Notation: ``N`` samples, mean loss ``L = 1/N sum_i l_i`` (``loss_type="mean"``) or sum
+(``"sum"``, drop every ``1/N`` below), ``y_i`` the network output of sample i,
+``H_i = d^2 l_i / dy_i^2 = S_i S_i^T``. ``backprop_hess`` runs one backward pass per column
+``k`` of ``S_i`` (the same ``k`` for every sample: batched, no loop over samples) seeded with
+``S_i[:, k] / N``, the factor an ordinary backward of the mean loss puts on each sample's
+output gradient. At a layer, ``x_ikt`` is the gradient w.r.t. its output at position ``t`` in
+pass ``k`` in the units of ``grad1`` (the captured gradient times ``N``); an ordinary backward
+is one pass with ``x_i = dl_i/dz``. ``a_it`` is the layer's input (conv: the patch) at
+position ``t``, with a constant 1 appended when the layer has a trainable bias.
+
+- ``compute_hess``: ``p.hess = 1/N sum_{i,k} J_ik J_ik^T`` with ``J_ik`` sample i's gradient
+  of ``p`` in pass ``k`` (flattened row-major, positions summed inside the sample). After
+  ``backprop_hess`` this is the exact GGN block of ``L`` for ``p`` (= the Hessian block for
+  networks piecewise linear in ``p``, e.g. ReLU nets); after an ordinary backward the
+  empirical Fisher block. Weight and bias are separate blocks.
+- ``compute_kfac`` (Eschenhagen et al. 2023, "Kronecker-factored approximate curvature for
+  modern neural network architectures"), ``T`` positions (Linear leading dims; conv output
+  positions; several calls of a module add their positions):
+
+  - ``"expand"``: ``A = 1/(N T) sum_{i,t} a_it a_it^T``,
+    ``G = 1/N sum_{i,k,t} x_ikt x_ikt^T`` (positions as extra samples);
+  - ``"reduce"``: ``A = 1/(N T^2) sum_i (sum_t a_it)(sum_t a_it)^T``,
+    ``G = 1/N sum_{i,k} (sum_t x_ikt)(sum_t x_ikt)^T`` (positions summed first).
+
+  ``kron(G, A)`` approximates the curvature block of ``L`` for ``vec(W)`` (row-major), ``W``
+  the weight as a matrix ``[dg, da]``: Linear ``[out, in]``, conv
+  ``[C_out, C_in/groups * prod(kernel)]``, with the trainable bias as its last column
+  (``da = in + 1``). Grouped conv: ``A [groups, da, da]``, ``G [groups, dg/groups, dg/groups]``
+  (``W`` viewed as ``[groups, dg/groups, da]``, block diagonal). With ``T = 1`` both agree,
+  and for a deep linear network, MSE, one sample, ``kron(G, A)`` is exact.
+- ``compute_fisher_diag``: ``sum_i sum_k J_ik^2`` per parameter (``N`` times the diagonal of
+  the (empirical) Fisher / GGN of the mean loss); ``compute_grad_variance``: the population
+  variance ``1/N sum_i (g_i - mean g)^2`` of the per-sample gradients;
+  ``compute_gram``: ``K_ij = sum_k <J_ik, J_jk>`` over all parameters, ``[N, N]``.
+
+Conventions of other libraries (mean loss; ``x`` from their loss's square-root backprop):
+
+==================  ================================  ======================================
+library             Linear, 2-D input (T = 1)         Conv, T output positions
+==================  ================================  ======================================
+per_sample_hooks    A = 1/N sum a a^T                 expand: A = 1/(NT) sum_{i,t} a a^T,
+                    G = 1/N sum x x^T                   G = 1/N sum_{i,k,t} x x^T;
+                    bias: column of W (ones in a)     reduce: see above; groups: per group
+BackPACK KFAC,      A, G as ours; bias: own factor    A = 1/N sum_{i,t} a a^T (no 1/T),
+KFLR (extend())     [G] only. MSELoss(mean): 2/o x    G = 1/N sum_{i,k} (sum_t x)(sum_t x)^T
+                    ours (also averages outputs)      (reduce-style G): kron = T x our
+                                                      reduce when a is constant over t;
+                                                      groups > 1 and Linear [B, T, d]: no
+ASDL (asdfghjkl)    A = 1/N sum a a^T (ones           A = 1/(NT) sum_{i,t} a a^T,
+KFAC                appended), G = 1/N sum x x^T:     G = 1/N sum_{i,t} x x^T: our expand
+                    same as ours
+==================  ================================  ======================================
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .api import LayerWork, LossType, Step, prepare_step
+from .errors import PerSampleHooksError, UnsupportedModuleError
+from .norms import _parameter_names
+from .rules.base import split_passes
+from .rules.kronecker import Approx, check_approx
+
+HessType = Literal["LeastSquares", "CrossEntropy"]
+HESS_TYPES = ("LeastSquares", "CrossEntropy")
+Unsupported = Literal["raise", "skip"]
+
+
+# ----------------------------------------------------------------------------- backprop_hess
+
+def hessian_sqrt_columns(output: Tensor, hess_type: HessType) -> Iterator[Tensor]:
+    """Columns ``S[:, k]`` of a square root ``S S^T = H`` of each sample's loss Hessian w.r.t.
+    its output ``[B, o]``, batched: yields ``o`` tensors ``[B, o]``.
+
+    LeastSquares (``l_i = 0.5 |y_i - t_i|^2``, ``H = I``): ``S = I``. CrossEntropy (softmax,
+    ``H = diag(p) - p p^T``): ``S[:, k] = sqrt(p_k) (p - e_k)``, i.e. ``sqrt(p_k)`` times the
+    loss gradient for label ``k`` (exact: ``sum_k p_k (p - e_k)(p - e_k)^T = H``).
+    """
+    batch, classes = output.shape
+    if hess_type == "LeastSquares":
+        for k in range(classes):
+            column = output.new_zeros((batch, classes))
+            column[:, k] = 1
+            yield column
+        return
+    p = torch.softmax(output.detach(), dim=1)
+    root = p.sqrt()
+    for k in range(classes):
+        column = p * root[:, k:k + 1]
+        column[:, k] -= root[:, k]
+        yield column
+
+
+def sampled_gradients(output: Tensor, hess_type: HessType, n_samples: int,
+                      generator: torch.Generator | None) -> Iterator[Tensor]:
+    """``n_samples`` Monte-Carlo gradients ``[B, *, o]`` of the per-sample loss w.r.t. the
+    output, targets drawn from the model's predictive distribution, each divided by
+    ``sqrt(n_samples)``: their outer products average to the Fisher (= GGN here)."""
+    y = output.detach()
+    weight = 1.0 / math.sqrt(n_samples)
+    if hess_type == "CrossEntropy":
+        p = torch.softmax(y, dim=-1)
+        flat = p.reshape(-1, p.shape[-1])
+        for _ in range(n_samples):
+            labels = torch.multinomial(flat, 1, generator=generator).squeeze(1)
+            grad = flat - F.one_hot(labels, flat.shape[1]).to(flat.dtype)
+            yield grad.view(p.shape).mul_(weight)
+        return
+    for _ in range(n_samples):  # t = y + eps, eps ~ N(0, I): dl/dy = y - t = -eps
+        noise = torch.randn(y.shape, generator=generator, dtype=y.dtype, device=y.device)
+        yield noise.mul_(-weight)
+
+
+def graph_leaves(output: Tensor) -> list[Tensor]:
+    """The leaf tensors requiring grad that ``output`` depends on (parameters, inputs)."""
+    leaves, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = "mean",
+                  n_samples: int | None = None, generator: torch.Generator | None = None
+                  ) -> None:
+    """Backpropagate a square root of the loss Hessian w.r.t. ``output``, so that the hooks
+    capture one output gradient per pass (``Call.backprops``) for :func:`compute_hess`,
+    :func:`compute_kfac` and the second moments.
+
+    ``hess_type``: ``"LeastSquares"`` (per-sample loss ``0.5 * sum (y - t)^2``; Hessian ``I``;
+    ``nn.MSELoss()`` is ``2/o`` times it per sample) or ``"CrossEntropy"`` (softmax cross
+    entropy over the last dim). Exact (``n_samples=None``): ``output [B, o]``, ``o`` batched
+    backward passes (see :func:`hessian_sqrt_columns`). Monte-Carlo Fisher
+    (``n_samples=m``): ``m`` passes of the loss gradients for targets sampled from the model's
+    predictive distribution (``output [B, *, o]``, positions summed per sample), divided by
+    ``sqrt(m)``; unbiased for the Fisher, which equals the GGN for these two losses.
+
+    Each pass is seeded with ``1/B`` (``loss_type="mean"``) or 1 (``"sum"``) times the
+    per-sample columns, exactly as an ordinary backward of that loss scales output gradients;
+    pass the same ``loss_type`` to the ``compute_*`` functions. ``p.grad`` is not touched
+    (``torch.autograd.grad`` on the graph's leaves). Call it on a fresh forward, before any
+    other backward of the step: every captured pass counts.
+    """
+    if hess_type not in HESS_TYPES:
+        raise ValueError(f"backprop_hess: hess_type must be one of {HESS_TYPES}, "
+                         f"got {hess_type!r}")
+    if loss_type not in ("mean", "sum"):
+        raise ValueError(f"backprop_hess: loss_type must be 'mean' or 'sum', got {loss_type!r}")
+    if not output.requires_grad:
+        raise PerSampleHooksError("backprop_hess: output does not require grad; run the "
+                                  "forward with grad enabled")
+    if n_samples is None:
+        if output.dim() != 2:
+            raise ValueError("backprop_hess: the exact Hessian square root needs an output "
+                             f"[batch, classes], got shape {tuple(output.shape)}; flatten the "
+                             "positions into the batch or use n_samples= (Monte-Carlo)")
+        seeds = hessian_sqrt_columns(output, hess_type)
+    else:
+        if not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"backprop_hess: n_samples must be an int >= 1, got {n_samples!r}")
+        seeds = sampled_gradients(output, hess_type, n_samples, generator)
+    factor = 1.0 / output.shape[0] if loss_type == "mean" else 1.0
+    leaves = graph_leaves(output)
+    if not leaves:
+        raise PerSampleHooksError("backprop_hess: output depends on no tensor that requires "
+                                  "grad")
+    seeds = list(seeds)
+    for index, seed in enumerate(seeds):
+        torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
+                            retain_graph=index < len(seeds) - 1)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _curvature_layers(step: Step) -> Iterator[LayerWork]:
+    """Layers with trainable parameters whose output reached the loss."""
+    for layer in step.layers:
+        if layer.parameters and layer.calls:
+            yield layer
+
+
+def _layer_error(layer: LayerWork, error: UnsupportedModuleError, unsupported: Unsupported,
+                 caller: str) -> None:
+    if unsupported == "raise":
+        raise UnsupportedModuleError(
+            f"{caller}: '{layer.name}': {error} Pass unsupported='skip' to leave such layers "
+            "out") from None
+
+
+def _check_unsupported(unsupported: str, caller: str) -> None:
+    if unsupported not in ("raise", "skip"):
+        raise ValueError(f"{caller}: unsupported must be 'raise' or 'skip', got {unsupported!r}")
+
+
+# ----------------------------------------------------------------------------- public
+
+@torch.no_grad()
+def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
+                 unsupported: Unsupported = "raise") -> None:
+    """Set ``p.hess`` (``[p.numel(), p.numel()]``, row-major flatten of ``p``) on every
+    trainable parameter of hooked Linear / Conv1d/2d/3d modules: the Gauss-Newton block of the
+    reduced loss for ``p`` (after :func:`backprop_hess`; the empirical Fisher block after an
+    ordinary backward). Weight and bias get separate blocks. ``unsupported="skip"`` leaves out
+    layers whose rule has no ``hess`` instead of raising."""
+    _check_unsupported(unsupported, "compute_hess")
+    model_step = prepare_step(model, loss_type, "compute_hess")[1]
+    _parameter_names(model, model_step, "compute_hess")  # refuses parameters shared by modules
+    for layer in _curvature_layers(model_step):
+        try:
+            blocks = layer.rule.hess(layer.module, layer.calls, model_step.scale,
+                                     layer.parameters)
+        except UnsupportedModuleError as error:
+            _layer_error(layer, error, unsupported, "compute_hess")
+            continue
+        for name, block in blocks.items():
+            layer.parameters[name].hess = block
+
+
+@torch.no_grad()
+def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossType = "mean", *,
+                 unsupported: Unsupported = "raise") -> dict[nn.Module, tuple[Tensor, Tensor]]:
+    """``{module: (A, G)}`` for every hooked Linear / Conv1d/2d/3d with a trainable weight
+    (frozen weight: module left out; output that did not reach the loss: left out).
+
+    Layout and scaling: see the module docstring (``kron(G, A)`` approximates the curvature
+    block of the reduced loss for the weight matrix with the bias as last column; grouped conv
+    factors carry a leading ``groups`` dim). GGN / Fisher factors after :func:`backprop_hess`,
+    empirical Fisher factors after an ordinary backward. ``unsupported="skip"`` leaves out
+    layers whose rule has no ``kfac`` instead of raising.
+    """
+    check_approx(approx, "compute_kfac")
+    _check_unsupported(unsupported, "compute_kfac")
+    step = prepare_step(model, loss_type, "compute_kfac")[1]
+    factors = {}
+    for layer in _curvature_layers(step):
+        if "weight" not in layer.parameters and "weight" in layer.module._parameters:
+            continue  # frozen weight
+        try:
+            factors[layer.module] = layer.rule.kfac(layer.module, layer.calls, step.scale,
+                                                    approx)
+        except UnsupportedModuleError as error:
+            _layer_error(layer, error, unsupported, "compute_kfac")
+    return factors
+
+
+@torch.no_grad()
+def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
+    """``{parameter name: sum_i g_i^2}`` (shape of the parameter), ``g_i`` sample i's gradient
+    as in ``grad1``, summed over the captured passes too (after :func:`backprop_hess`: ``N``
+    times the GGN diagonal of the mean loss). Divide by ``N`` for the empirical Fisher
+    diagonal of the mean loss. Names as in ``model.named_parameters()``. No per-sample
+    gradients for one-position Linear layers (``(G^2)^T (A^2)``); others materialize one
+    parameter at a time."""
+    step = prepare_step(model, loss_type, "compute_fisher_diag")[1]
+    names = _parameter_names(model, step, "compute_fisher_diag")
+    result = {}
+    for layer in step.layers:
+        if not layer.calls:
+            for local, p in layer.parameters.items():
+                result[names[id(layer)][local]] = torch.zeros_like(p)
+            continue
+        if not layer.parameters:
+            continue
+        squared = layer.rule.sum_squared_grads(layer.module, layer.calls, step.scale,
+                                               layer.parameters)
+        for local, value in squared.items():
+            result[names[id(layer)][local]] = value
+    return result
+
+
+@torch.no_grad()
+def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
+    """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
+    ``Variance``) variance of the per-sample gradients, after one ordinary backward."""
+    step = prepare_step(model, loss_type, "compute_grad_variance")[1]
+    if any(len(split_passes(layer.calls)) > 1 for layer in step.layers if layer.calls):
+        raise PerSampleHooksError(
+            "compute_grad_variance: the hooks captured several backward passes; the variance "
+            "of per-sample gradients needs exactly one ordinary backward of the loss")
+    second = compute_fisher_diag(model, loss_type)
+    names = _parameter_names(model, step, "compute_grad_variance")
+    batch = step.batch_size
+    for layer in step.layers:
+        if not layer.calls or not layer.parameters:
+            continue
+        out = {n: torch.empty_like(p) for n, p in layer.parameters.items()}
+        weights = torch.full((batch,), step.scale / max(batch, 1),
+                             dtype=next(iter(out.values())).dtype)
+        layer.rule.weighted_sum(layer.module, layer.calls, weights, out)
+        for local, mean in out.items():
+            name = names[id(layer)][local]
+            second[name] = second[name].div_(max(batch, 1)).sub_(mean.square()).clamp_(min=0)
+    for layer in step.layers:
+        if not layer.calls:
+            for local in layer.parameters:
+                second[names[id(layer)][local]].zero_()
+    return second
+
+
+@torch.no_grad()
+def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
+    """``[N, N]``: ``K_ij = <g_i, g_j>`` over every trainable parameter of hooked modules
+    (``g_i`` as in ``grad1``; summed over captured passes). One-position Linear layers:
+    ``(A A^T) * (G G^T)``; several positions: the ghost Gram where cheaper; other layers
+    materialize one parameter at a time."""
+    step = prepare_step(model, loss_type, "compute_gram")[1]
+    _parameter_names(model, step, "compute_gram")
+    total = None
+    for layer in _curvature_layers(step):
+        gram = layer.rule.gram(layer.module, layer.calls, step.scale, layer.parameters)
+        total = gram if total is None else total.add_(gram)
+    if total is None:
+        total = torch.zeros(step.batch_size, step.batch_size)
+    return total
+
+
+__all__ = ["backprop_hess", "compute_hess", "compute_kfac", "compute_fisher_diag",
+           "compute_grad_variance", "compute_gram"]

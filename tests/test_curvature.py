@@ -1,0 +1,427 @@
+"""Curvature: compute_hess, compute_kfac, backprop_hess (exact and Monte-Carlo), second moments.
+
+Ground truth: torch.autograd.functional.hessian of the mean (or sum) loss w.r.t. one parameter
+(= the Gauss-Newton block for networks piecewise linear in that parameter), per-sample
+gradients from compute_grad1, and Kronecker factors computed by hand (F.unfold, retained
+output gradients). float64 throughout.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import per_sample_hooks as psh
+from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
+
+DT = torch.float64
+
+
+def per_sample_loss(output: Tensor, target: Tensor, hess_type: str) -> Tensor:
+    if hess_type == "LeastSquares":
+        return 0.5 * (output - target).pow(2).flatten(1).sum(1)
+    return F.cross_entropy(output, target, reduction="none")
+
+
+def reduce(losses: Tensor, loss_type: str) -> Tensor:
+    return losses.mean() if loss_type == "mean" else losses.sum()
+
+
+def exact_block(model: nn.Module, name: str, x: Tensor, target: Tensor, hess_type: str,
+                loss_type: str = "mean") -> Tensor:
+    """Hessian of the reduced loss w.r.t. parameter ``name``, ``[numel, numel]``."""
+    p = dict(model.named_parameters())[name].detach()
+
+    def loss(w: Tensor) -> Tensor:
+        out = torch.func.functional_call(model, {name: w}, (x,))
+        return reduce(per_sample_loss(out, target, hess_type), loss_type)
+    return torch.autograd.functional.hessian(loss, p).reshape(p.numel(), p.numel())
+
+
+def targets(hess_type: str, batch: int, classes: int) -> Tensor:
+    if hess_type == "LeastSquares":
+        return torch.randn(batch, classes, dtype=DT)
+    return torch.randint(classes, (batch,))
+
+
+class Flatten(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.flatten(1)
+
+
+def seq_mlp() -> tuple[nn.Module, Tensor]:
+    """Linear on [B, 3, 4] (leading dims), ReLU, flatten, Linear."""
+    return (nn.Sequential(nn.Linear(4, 5), nn.ReLU(), Flatten(), nn.Linear(15, 3)),
+            torch.randn(5, 3, 4))
+
+
+def conv1d_net() -> tuple[nn.Module, Tensor]:
+    return (nn.Sequential(nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), nn.ReLU(),
+                          Flatten(), nn.Linear(24, 3)), torch.randn(4, 4, 8))
+
+
+def conv2d_net() -> tuple[nn.Module, Tensor]:
+    return (nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2), nn.ReLU(),
+                          nn.Conv2d(4, 2, 2, bias=False), nn.ReLU(), Flatten(),
+                          nn.Linear(8, 3)), torch.randn(3, 2, 6, 6))
+
+
+NETS = {"seq_mlp": seq_mlp, "conv1d": conv1d_net, "conv2d": conv2d_net}
+
+
+@pytest.mark.parametrize("net", list(NETS))
+@pytest.mark.parametrize("hess_type", ["LeastSquares", "CrossEntropy"])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_compute_hess_equals_exact_hessian(net: str, hess_type: str, loss_type: str) -> None:
+    torch.manual_seed(0)
+    model, x = NETS[net]()
+    model, x = model.to(DT), x.to(DT)
+    t = targets(hess_type, x.shape[0], 3)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), hess_type, loss_type=loss_type)
+        psh.compute_hess(model, loss_type=loss_type)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.hess, exact_block(model, name, x, t, hess_type,
+                                                           loss_type),
+                                       rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        assert all(p.grad is None for p in model.parameters())  # backprop_hess leaves .grad
+
+
+@settings(max_examples=6, deadline=None)
+@given(dims=st.sampled_from([1, 2]), stride=st.integers(1, 2), padding=st.integers(0, 1),
+       dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]), bias=st.booleans(),
+       hess_type=st.sampled_from(["LeastSquares", "CrossEntropy"]))
+def test_conv_hess_grid(dims: int, stride: int, padding: int, dilation: int, groups: int,
+                        bias: bool, hess_type: str) -> None:
+    torch.manual_seed(1)
+    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(2, 4, 2, stride=stride, padding=padding,
+                                                   dilation=dilation, groups=groups, bias=bias)
+    x = torch.randn(3, 2, *([5] * dims), dtype=DT)
+    flat = conv.to(DT)(x).flatten(1).shape[1]
+    model = nn.Sequential(conv, nn.ReLU(), Flatten(), nn.Linear(flat, 3)).to(DT)
+    t = targets(hess_type, 3, 3)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), hess_type)
+        psh.compute_hess(model)
+        for name, p in model[0].named_parameters():
+            torch.testing.assert_close(p.hess, exact_block(model, f"0.{name}", x, t, hess_type),
+                                       rtol=1e-9, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- KFAC
+
+def weight_matrix_hessian(model: nn.Module, layer: str, x: Tensor, target: Tensor,
+                          hess_type: str) -> Tensor:
+    """Exact Hessian of the mean loss w.r.t. ``[W | b]`` (row-major), layer without groups."""
+    module = dict(model.named_modules())[layer]
+    w = module.weight.detach().reshape(module.weight.shape[0], -1)
+    matrix = torch.cat([w, module.bias.detach()[:, None]], 1) if module.bias is not None else w
+
+    def loss(m: Tensor) -> Tensor:
+        params = {f"{layer}.weight": m[:, :w.shape[1]].reshape(module.weight.shape)}
+        if module.bias is not None:
+            params[f"{layer}.bias"] = m[:, -1]
+        out = torch.func.functional_call(model, params, (x,))
+        return per_sample_loss(out, target, hess_type).mean()
+    n = matrix.numel()
+    return torch.autograd.functional.hessian(loss, matrix).reshape(n, n)
+
+
+def test_kfac_exact_for_deep_linear_network_one_sample() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5, bias=False), nn.Linear(5, 2)).to(DT)
+    x, t = torch.randn(1, 3, dtype=DT), torch.randn(1, 2, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "LeastSquares")
+        factors = psh.compute_kfac(model)
+    assert set(factors) == set(model)
+    for name, module in model.named_children():
+        a, g = factors[module]
+        assert a.shape[0] == module.in_features + (module.bias is not None)
+        assert g.shape[0] == module.out_features
+        torch.testing.assert_close(torch.kron(g, a),
+                                   weight_matrix_hessian(model, name, x, t, "LeastSquares"),
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_conv_exact_for_linear_network_one_position_per_output() -> None:
+    """Conv whose output has a single position (kernel covers the input): like Linear, exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), Flatten(), nn.Linear(3, 2)).to(DT)
+    x, t = torch.randn(1, 2, 3, 3, dtype=DT), torch.randn(1, 2, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "LeastSquares")
+        a, g = psh.compute_kfac(model)[model[0]]
+    torch.testing.assert_close(torch.kron(g, a),
+                               weight_matrix_hessian(model, "0", x, t, "LeastSquares"))
+
+
+class SumPositions(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.sum(1)
+
+
+def test_reduce_exact_and_expand_not_for_shared_positions() -> None:
+    """One sample, every position the same input, positions summed after two Linears: the
+    reduce setting, where K-FAC-reduce is exact and K-FAC-expand is not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), SumPositions()).to(DT)
+    x = torch.randn(1, 1, 3, dtype=DT).expand(1, 5, 3).contiguous()
+    t = torch.randn(1, 2, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "LeastSquares")
+        reduced = psh.compute_kfac(model, approx="reduce")
+        psh.clear_backprops(model)
+        psh.backprop_hess(model(x), "LeastSquares")
+        expanded = psh.compute_kfac(model, approx="expand")
+    for name in ("0", "1"):
+        module = model.get_submodule(name)
+        exact = weight_matrix_hessian(model, name, x, t, "LeastSquares")
+        torch.testing.assert_close(torch.kron(*reduced[module][::-1]), exact)
+        assert not torch.allclose(torch.kron(*expanded[module][::-1]), exact)
+
+
+def hand_factors(acts: Tensor, grads: Tensor, batch: int, approx: str, ones: bool
+                 ) -> tuple[Tensor, Tensor]:
+    """From ``acts [B, T, d]`` and *per-sample* output gradients ``grads [B, T, p]`` (loss
+    units), mean loss."""
+    if ones:
+        acts = torch.cat([acts, torch.ones(*acts.shape[:2], 1, dtype=acts.dtype)], 2)
+    positions = acts.shape[1]
+    if approx == "expand":
+        a = torch.einsum("btd,bte->de", acts, acts) / (batch * positions)
+        g = torch.einsum("btp,btq->pq", grads, grads) / batch
+    else:
+        sa, sg = acts.sum(1), grads.sum(1)
+        a = sa.t() @ sa / (batch * positions ** 2)
+        g = sg.t() @ sg / batch
+    return a, g
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_kfac_empirical_fisher_linear_sequence_by_hand(approx: str) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).to(DT)
+    head = nn.Linear(3, 2).to(DT)
+    model = nn.Sequential(layer, nn.Tanh(), SumPositions(), head)
+    x, y = torch.randn(6, 5, 4, dtype=DT), torch.randint(2, (6,))
+    with psh.add_hooks(model):
+        hidden = layer(x)
+        hidden.retain_grad()
+        F.cross_entropy(head(torch.tanh(hidden).sum(1)), y).backward()
+        a, g = psh.compute_kfac(model, approx=approx)[layer]
+    expected = hand_factors(x, hidden.grad * 6, 6, approx, ones=True)
+    torch.testing.assert_close(a, expected[0])
+    torch.testing.assert_close(g, expected[1])
+
+
+def test_expand_equals_reduce_with_one_position() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).to(DT)
+    x = torch.randn(7, 4, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "CrossEntropy")
+        expanded = psh.compute_kfac(model, approx="expand")
+        psh.clear_backprops(model)
+        psh.backprop_hess(model(x), "CrossEntropy")
+        reduced = psh.compute_kfac(model, approx="reduce")
+    for module in expanded:
+        for e, r in zip(expanded[module], reduced[module]):
+            torch.testing.assert_close(e, r)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("groups,bias", [(1, True), (2, True), (2, False)])
+def test_kfac_empirical_fisher_conv2d_by_hand(approx: str, groups: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=groups, bias=bias).to(DT)
+    head = nn.Linear(6 * 9, 3).to(DT)
+    model = nn.Sequential(conv, nn.Tanh(), Flatten(), head)
+    x, y = torch.randn(5, 4, 5, 5, dtype=DT), torch.randint(3, (5,))
+    with psh.add_hooks(model):
+        out = conv(x)
+        out.retain_grad()
+        F.cross_entropy(head(torch.tanh(out).flatten(1)), y).backward()
+        a, g = psh.compute_kfac(model, approx=approx)[conv]
+    cols = F.unfold(x, 3, padding=1, stride=2)  # [B, Cin*9, T]
+    k, cg = cols.shape[1] // groups, 6 // groups
+    per_group = [hand_factors(cols[:, i * k:(i + 1) * k].transpose(1, 2),
+                              (out.grad * 5).flatten(2)[:, i * cg:(i + 1) * cg].transpose(1, 2),
+                              5, approx, ones=bias) for i in range(groups)]
+    expected_a = torch.stack([f[0] for f in per_group])
+    expected_g = torch.stack([f[1] for f in per_group])
+    if groups == 1:
+        expected_a, expected_g = expected_a[0], expected_g[0]
+    torch.testing.assert_close(a, expected_a)
+    torch.testing.assert_close(g, expected_g)
+
+
+def test_kfac_reused_module_and_frozen_weight() -> None:
+    torch.manual_seed(0)
+    shared, frozen = nn.Linear(3, 3).to(DT), nn.Linear(3, 3).to(DT)
+    frozen.weight.requires_grad_(False)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.frozen = shared, frozen
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.frozen(self.shared(torch.tanh(self.shared(x))))
+
+    model, x = Net(), torch.randn(4, 3, dtype=DT)
+    with psh.add_hooks(model):
+        h1 = shared(x)
+        h1.retain_grad()
+        h2 = shared(torch.tanh(h1))
+        h2.retain_grad()
+        frozen(h2).pow(2).sum(1).mean().backward()
+        factors = psh.compute_kfac(model)
+    assert set(factors) == {shared}  # frozen weight: left out
+    acts = torch.stack([x, torch.tanh(h1).detach()], 1)
+    grads = torch.stack([h1.grad, h2.grad], 1) * 4
+    expected = hand_factors(acts, grads, 4, "expand", ones=True)
+    torch.testing.assert_close(factors[shared][0], expected[0])
+    torch.testing.assert_close(factors[shared][1], expected[1])
+
+
+# ----------------------------------------------------------------------------- Monte Carlo
+
+def test_monte_carlo_fisher_converges_to_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3)).to(DT)
+    x = torch.randn(8, 3, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "CrossEntropy")
+        psh.compute_hess(model)
+        exact = {n: p.hess.clone() for n, p in model.named_parameters()}
+        errors = []
+        for n_samples in (10, 2000):
+            generator = torch.Generator().manual_seed(0)
+            psh.backprop_hess(model(x), "CrossEntropy", n_samples=n_samples,
+                              generator=generator)
+            psh.compute_hess(model)
+            errors.append(max(float((p.hess - exact[n]).norm() / exact[n].norm())
+                              for n, p in model.named_parameters()))
+    assert errors[1] < 0.1, errors  # a factor-2 scaling error would give ~1
+    assert errors[1] < errors[0]
+
+
+def test_monte_carlo_least_squares_kfac() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(DT)
+    x = torch.randn(4, 3, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "LeastSquares")
+        exact = psh.compute_kfac(model)
+        psh.backprop_hess(model(x), "LeastSquares", n_samples=4000,
+                          generator=torch.Generator().manual_seed(1))
+        sampled = psh.compute_kfac(model)
+    for module in model:
+        torch.testing.assert_close(sampled[module][1], exact[module][1], rtol=0.1, atol=0.05)
+        torch.testing.assert_close(sampled[module][0], exact[module][0])
+
+
+# ----------------------------------------------------------------------------- second moments
+
+class Twice(nn.Module):
+    """A Linear called twice (reuse) and a Linear on a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Linear(4, 3)
+        self.shared = nn.Linear(3, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.seq(x)).sum(1)
+        return self.out(self.shared(torch.tanh(self.shared(h))))
+
+
+def second_moment_models() -> dict[str, tuple[nn.Module, Tensor]]:
+    torch.manual_seed(0)
+    return {
+        "mlp": (nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)), torch.randn(6, 4)),
+        "reuse_seq": (Twice(), torch.randn(6, 5, 4)),
+        "conv": (nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.ReLU(), Flatten(),
+                               nn.Linear(36, 2)), torch.randn(6, 2, 5, 5)),
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "reuse_seq", "conv"])
+def test_second_moments_equal_grad1(name: str) -> None:
+    model, x = second_moment_models()[name]
+    model, x = model.to(DT), x.to(DT)
+    y = torch.randint(2, (x.shape[0],))
+    with psh.add_hooks(model):
+        for compute in ("grad1", "fisher", "variance", "gram"):
+            F.cross_entropy(model(x), y).backward()
+            if compute == "grad1":
+                psh.compute_grad1(model)
+                grads = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            elif compute == "fisher":
+                fisher = psh.compute_fisher_diag(model)
+            elif compute == "variance":
+                variance = psh.compute_grad_variance(model)
+            else:
+                gram = psh.compute_gram(model)
+    assert fisher.keys() == variance.keys() == grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(fisher[n], g.square().sum(0))
+        torch.testing.assert_close(variance[n], g.var(0, unbiased=False))
+    flat = torch.cat([g.flatten(1) for g in grads.values()], 1)
+    torch.testing.assert_close(gram, flat @ flat.t())
+
+
+def test_fisher_diag_after_backprop_hess_is_batch_times_hess_diagonal() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).to(DT)
+    x = torch.randn(6, 4, dtype=DT)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "CrossEntropy")
+        psh.compute_hess(model)
+        fisher = psh.compute_fisher_diag(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(fisher[n].flatten(), 6 * p.hess.diagonal())
+
+
+# ----------------------------------------------------------------------------- errors
+
+class Scaler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, dtype=DT))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
+def test_errors() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Scaler()).to(DT)
+    x = torch.randn(2, 3, dtype=DT)
+    with psh.add_hooks(model):
+        model(x)
+        with pytest.raises(PerSampleHooksError, match="backward"):
+            psh.compute_kfac(model)
+        with pytest.raises(PerSampleHooksError, match="backward"):
+            psh.compute_hess(model)
+        out = model(x)
+        with pytest.raises(ValueError, match="hess_type"):
+            psh.backprop_hess(out, "Hinge")
+        with pytest.raises(ValueError, match="n_samples"):
+            psh.backprop_hess(out, "CrossEntropy", n_samples=0)
+        psh.backprop_hess(out, "CrossEntropy")
+        with pytest.raises(ValueError, match="approx"):
+            psh.compute_kfac(model, approx="diagonal")
+        with pytest.raises(UnsupportedModuleError, match="'1'.*not available for Scaler"):
+            psh.compute_kfac(model)
+        psh.backprop_hess(model(x), "CrossEntropy")
+        assert set(psh.compute_kfac(model, unsupported="skip")) == {model[0]}
+        psh.backprop_hess(model(x), "CrossEntropy")
+        with pytest.raises(UnsupportedModuleError, match="not available for Scaler"):
+            psh.compute_hess(model)
+    with pytest.raises(ValueError, match="batch, classes"):
+        psh.backprop_hess(torch.randn(2, 3, 4, requires_grad=True), "CrossEntropy")
