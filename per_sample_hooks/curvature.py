@@ -147,8 +147,8 @@ def graph_leaves(output: Tensor) -> list[Tensor]:
 
 
 def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = "mean",
-                  n_samples: int | None = None, generator: torch.Generator | None = None
-                  ) -> None:
+                  n_samples: int | None = None, generator: torch.Generator | None = None,
+                  retain_graph: bool = False) -> None:
     """Backpropagate a square root of the loss Hessian w.r.t. ``output``, so that the hooks
     capture one output gradient per pass (``Call.backprops``) for :func:`compute_hess`,
     :func:`compute_kfac` and the second moments.
@@ -165,7 +165,8 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     per-sample columns, exactly as an ordinary backward of that loss scales output gradients;
     pass the same ``loss_type`` to the ``compute_*`` functions. ``p.grad`` is not touched
     (``torch.autograd.grad`` on the graph's leaves). Call it on a fresh forward, before any
-    other backward of the step: every captured pass counts.
+    other backward of the step: every captured pass counts. ``retain_graph=True`` keeps the
+    graph for a later ``loss.backward()`` (after the ``compute_*`` call).
     """
     if hess_type not in HESS_TYPES:
         raise ValueError(f"backprop_hess: hess_type must be one of {HESS_TYPES}, "
@@ -193,7 +194,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     seeds = list(seeds)
     for index, seed in enumerate(seeds):
         torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
-                            retain_graph=index < len(seeds) - 1)
+                            retain_graph=retain_graph or index < len(seeds) - 1)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -1,0 +1,160 @@
+"""Curvature: KFAC factors and the empirical Fisher diagonal against BackPACK and ASDL.
+
+    python -m benchmarks.curvature            # both models
+    python -m benchmarks.curvature --quick    # fewer rounds (noisy)
+
+Methods (one training step each, timed interleaved, see harness.py):
+
+- ``plain``: forward + backward of the mean cross-entropy, unhooked copy of the model.
+- ``kfac EF``: hooked forward + backward + ``compute_kfac`` (empirical-Fisher factors).
+- ``kfac MC-1``: hooked forward + ``backprop_hess(n_samples=1)`` + ``compute_kfac`` +
+  backward of the loss (for the gradient): Fisher factors from one sampled label, as
+  BackPACK's ``KFAC`` computes.
+- ``backpack KFAC``: ``extend``ed model and loss, ``backward`` under ``backpack(KFAC())``
+  (one MC sample; gradients included).
+- ``asdl KFAC EF``: ASDL's empirical-Fisher Kronecker factors (``FisherConfig(FISHER_EMP,
+  SHAPE_KRON)``), when the ``asdl`` package (``asdfghjkl`` wheel) imports.
+- ``fisher diag``: hooked forward + backward + ``compute_fisher_diag``.
+- ``backpack SGS``: BackPACK ``SumGradSquared`` (same quantity up to the ``1/N^2`` of the mean).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import per_sample_hooks as psh  # noqa: E402
+from benchmarks.harness import compare, print_table  # noqa: E402
+from benchmarks.run import SimpleCNN  # noqa: E402
+
+MODELS: dict[str, tuple[str, Callable[[], nn.Module], tuple[int, ...], int]] = {
+    "mlp784": ("MLP 784-512-512-10 ReLU, B=128, cross-entropy",
+               lambda: nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512),
+                                     nn.ReLU(), nn.Linear(512, 10)), (784,), 128),
+    "cnn001": ("CNN of seed 001, 1x28x28, B=64, cross-entropy", SimpleCNN, (1, 28, 28), 64),
+}
+
+
+def backpack_methods(build: Callable[[], nn.Module], state: dict, x: torch.Tensor,
+                     y: torch.Tensor) -> dict[str, Callable[[], object]]:
+    try:
+        from backpack import backpack, extend
+        from backpack.extensions import KFAC, SumGradSquared
+    except ImportError as error:  # pragma: no cover
+        print(f"  BackPACK not available: {error}")
+        return {}
+    model = build()
+    model.load_state_dict(state)
+    if isinstance(model, SimpleCNN):  # BackPACK needs modules, not F.relu / torch.flatten
+        model = nn.Sequential(model.conv1, nn.ReLU(), model.conv2, nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), model.fc1, nn.ReLU(), model.fc2)
+    model = extend(model)
+    loss_fn = extend(nn.CrossEntropyLoss())
+
+    def run(extension: object) -> Callable[[], object]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            with backpack(extension):
+                loss.backward()
+        return step
+    return {"backpack KFAC": run(KFAC(mc_samples=1)), "backpack SGS": run(SumGradSquared())}
+
+
+def asdl_methods(build: Callable[[], nn.Module], state: dict, x: torch.Tensor, y: torch.Tensor
+                 ) -> dict[str, Callable[[], object]]:
+    try:
+        from asdl import FISHER_EMP, SHAPE_KRON, FisherConfig, get_fisher_maker
+    except ImportError as error:
+        print(f"  ASDL not available ({error}); pip install --no-deps asdfghjkl")
+        return {}
+    model = build()
+    model.load_state_dict(state)
+    config = FisherConfig(fisher_type=FISHER_EMP, fisher_shapes=[SHAPE_KRON],
+                          data_size=x.shape[0])
+    maker = get_fisher_maker(model, config)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        dummy = maker.setup_model_call(model, x)
+        maker.setup_loss_call(F.cross_entropy, dummy, y)
+        maker.forward_and_backward()
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 (report any incompatibility and go on)
+        print(f"  ASDL failed on this model: {type(error).__name__}: {error}")
+        return {}
+    return {"asdl KFAC EF": step}
+
+
+def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
+    _, build, shape, batch = MODELS[name]
+    torch.manual_seed(seed)
+    plain = build()
+    hooked = build()
+    hooked.load_state_dict(plain.state_dict())
+    psh.add_hooks(hooked, check_unseen=False)
+    x = torch.randn(batch, *shape)
+    y = torch.randint(10, (batch,))
+
+    def plain_step() -> None:
+        plain.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(x), y).backward()
+
+    def kfac_ef() -> None:
+        hooked.zero_grad(set_to_none=True)
+        F.cross_entropy(hooked(x), y).backward()
+        psh.compute_kfac(hooked)
+
+    def kfac_mc() -> None:
+        hooked.zero_grad(set_to_none=True)
+        output = hooked(x)
+        psh.backprop_hess(output, "CrossEntropy", n_samples=1, retain_graph=True)
+        psh.compute_kfac(hooked)
+        F.cross_entropy(output, y).backward()  # the gradient, as BackPACK's step has it
+
+    def fisher_diag() -> None:
+        hooked.zero_grad(set_to_none=True)
+        F.cross_entropy(hooked(x), y).backward()
+        psh.compute_fisher_diag(hooked)
+
+    methods = {"plain": plain_step, "kfac EF": kfac_ef, "kfac MC-1": kfac_mc}
+    methods.update(asdl_methods(build, plain.state_dict(), x, y))
+    methods["fisher diag"] = fisher_diag
+    methods.update(backpack_methods(build, plain.state_dict(), x, y))
+    return methods
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (5 if args.quick else 25)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} rounds, "
+          "interleaved; median and inter-quartile range of ms per step", flush=True)
+    for name in args.models:
+        title = MODELS[name][0]
+        print()
+        results = compare(make_methods(name), rounds=rounds, warmup=2, min_sample_ms=20)
+        print_table(results, "plain", title)
+        if name == "mlp784":
+            ratio = results["kfac EF"].ratio_to(results["plain"])
+            print(f"  goal kfac EF <= 1.5x plain on mlp784: {ratio:.2f}x "
+                  f"{'ok' if ratio <= 1.5 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
