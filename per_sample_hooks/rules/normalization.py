@@ -33,7 +33,8 @@ from .ghost import sum_of_squares
 
 
 def sums_channels_first(x_hat: Tensor | None, grads: Tensor) -> tuple[Tensor | None, Tensor]:
-    """``x_hat, grads [B, C, *]`` -> per-sample ``(sum g * x_hat, sum g)`` over ``*``, ``[B, C]``."""
+    """``x_hat, grads [B, C, *]`` -> per-sample ``(sum g * x_hat, sum g)`` over ``*``,
+    ``[B, C]``."""
     batch, channels = grads.shape[:2]
     g = grads.reshape(batch, channels, -1)
     weight = None if x_hat is None else (g * x_hat.reshape(batch, channels, -1)).sum(2)

@@ -1,0 +1,247 @@
+"""nn.Embedding and nn.EmbeddingBag: per-sample gradients of a ``[V, d]`` table as scattered rows.
+
+A sample's table gradient is non-zero only at the rows its tokens hit. Both layers reduce to a
+:class:`Scatter`: entries ``(sample, row, value)`` on the table seen as ``[R, w]`` (``R w = V d``),
+sample ``b``'s gradient being the sum of its entries' values placed at their rows:
+
+- Embedding: one entry per non-padding token, ``[V, d]``, value the output gradient there;
+- EmbeddingBag ``sum``/``mean``: one entry per non-padding token, value the bag's output
+  gradient times its ``per_sample_weight`` (sum) or ``1 / bag size`` (mean);
+- EmbeddingBag ``max``: one entry per (bag, dim ``j``) at the cell of the token that won the
+  max there, ``[V d, 1]``; the winners are recomputed by the same ``torch.embedding_bag``.
+
+Then, with ``N`` entries and no ``[B, V, d]`` tensor except for ``grad1`` itself:
+per-sample gradients are one ``index_add`` into the zeroed buffer; squared norms sum the values
+of equal (sample, row) keys (``unique`` + ``index_add``, O(N w)) and reduce per sample; the
+weighted sum is one ``index_add`` of the weighted values into ``[R, w]``.
+
+``max_norm`` renormalizes the hit rows in place under ``no_grad`` during the forward: the
+gradient of a lookup does not depend on the table's values, and the per-sample loop sees the
+same (idempotent) renormalized rows, so results stay exact. ``scale_grad_by_freq`` divides by
+token counts *over the batch*, which mixes samples: refused.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import Call
+from ..errors import PerSampleHooksError
+from ..unseen import Probe
+from .base import KeptGrads, Rule, register_rule
+
+MODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+@dataclass
+class Scatter:
+    """Entries of per-sample table gradients on the table viewed as ``[num_rows, w]``."""
+    samples: Tensor  # [N] long: the sample of each entry
+    rows: Tensor  # [N] long: its row in the [num_rows, w] view
+    values: Tensor  # [N, w]
+    num_rows: int
+
+
+def join(parts: Sequence[Scatter]) -> Scatter:
+    """The entries of several calls together (their contributions add up)."""
+    if len(parts) == 1:
+        return parts[0]
+    return Scatter(torch.cat([p.samples for p in parts]), torch.cat([p.rows for p in parts]),
+                   torch.cat([p.values for p in parts]), parts[0].num_rows)
+
+
+def write_per_sample(out: Tensor, s: Scatter, scale: float) -> None:
+    """``out [B, V, d]`` = ``scale`` times the per-sample gradients (fully overwritten)."""
+    batch = out.shape[0]
+    flat = out.view(batch * s.num_rows, -1)
+    flat.zero_()
+    flat.index_add_(0, s.samples * s.num_rows + s.rows, s.values, alpha=scale)
+
+
+def scatter_norms_squared(s: Scatter, batch: int) -> Tensor:
+    """``[B]``: squared norm of each sample's gradient; values of equal (sample, row) keys are
+    summed first (``[#distinct keys, w]``)."""
+    keys = s.samples * s.num_rows + s.rows
+    distinct, pair = torch.unique(keys, return_inverse=True)
+    rows = s.values.new_zeros(len(distinct), s.values.shape[1]).index_add_(0, pair, s.values)
+    squared = torch.linalg.vector_norm(rows, dim=1).square_()
+    return s.values.new_zeros(batch).index_add_(0, distinct // s.num_rows, squared)
+
+
+def scatter_weighted_sum(out: Tensor, s: Scatter, weights: Tensor) -> None:
+    """``out [V, d] = sum_b weights[b] * (sample b's gradient)``: one ``index_add``."""
+    weighted = s.values * weights.to(s.values.dtype)[s.samples].unsqueeze(1)
+    flat = out.view(s.num_rows, -1)
+    flat.zero_()
+    flat.index_add_(0, s.rows, weighted)
+
+
+def scatter_probe(s: Scatter, probe: Probe, dim: int) -> tuple[Tensor, Tensor]:
+    """``u^T G v`` of the batch-summed gradient ``G [V, dim]`` for each probe, and its rounding
+    scale, O(N (w + #probes))."""
+    u, v = probe  # [P, V], [P, dim]
+    if s.values.shape[1] == dim:
+        terms = u[:, s.rows] * (v.to(s.values.dtype) @ s.values.t())
+    else:  # one cell per entry
+        token, column = s.rows // dim, s.rows % dim
+        terms = u[:, token] * v[:, column] * s.values[:, 0]
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+def token_scatter(tokens: Tensor, grads: Tensor, padding_idx: int | None, num_rows: int
+                  ) -> Scatter:
+    """Entries of one Embedding call: ``tokens [B, *]``, output gradients ``[B, *, d]``."""
+    batch = tokens.shape[0]
+    flat_tokens = tokens.reshape(-1)
+    values = grads.reshape(flat_tokens.numel(), -1)
+    samples = torch.arange(batch, device=tokens.device).repeat_interleave(
+        flat_tokens.numel() // batch if batch else 0)
+    if padding_idx is not None:
+        hit = flat_tokens != padding_idx
+        samples, flat_tokens, values = samples[hit], flat_tokens[hit], values[hit]
+    return Scatter(samples, flat_tokens, values, num_rows)
+
+
+def refuse_frequency_scaling(module: nn.Module, name: str) -> None:
+    if module.scale_grad_by_freq:
+        raise PerSampleHooksError(
+            f"'{name}' ({type(module).__name__}) has scale_grad_by_freq=True: its gradient is "
+            "divided by token counts over the whole batch, which mixes samples, so per-sample "
+            "gradients are undefined. Use scale_grad_by_freq=False")
+
+
+class ScatterRule(Rule):
+    """Shared rule for layers whose weight gradient is a :class:`Scatter` (parameter
+    ``weight`` only)."""
+
+    def scatter(self, module: nn.Module, call: Call) -> Scatter:
+        raise NotImplementedError
+
+    def joined(self, module: nn.Module, calls: Sequence[Call]) -> Scatter:
+        return join([self.scatter(module, call) for call in calls])
+
+    def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
+              out: dict[str, Tensor]) -> None:
+        if "weight" in out:
+            write_per_sample(out["weight"], self.joined(module, calls), scale)
+
+    def norms_squared(self, module: nn.Module, calls: Sequence[Call], scale: float,
+                      names: Sequence[str], keep: KeptGrads | None = None
+                      ) -> dict[str, Tensor]:
+        if "weight" not in names:
+            return {}
+        batch = self.batch_size(module, calls[0])
+        squared = scatter_norms_squared(self.joined(module, calls), batch)
+        return {"weight": squared.mul_(scale * scale)}
+
+    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
+                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
+        if "weight" in out:
+            scatter_weighted_sum(out["weight"], self.joined(module, calls), weights)
+
+    def probe(self, module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe],
+              scale: float, out: Mapping[str, Tensor] | None = None
+              ) -> dict[str, tuple[Tensor, Tensor]]:
+        if "weight" not in probes:
+            return {}
+        s = self.joined(module, calls)
+        return {"weight": scatter_probe(s, probes["weight"], module.weight.shape[1])}
+
+
+@register_rule(nn.Embedding)
+class EmbeddingRule(ScatterRule):
+    """Embedding on indices ``[B, *]``; the padding row gets no gradient."""
+
+    def scatter(self, module: nn.Embedding, call: Call) -> Scatter:
+        return token_scatter(call.activation(), call.backprop(), module.padding_idx,
+                             module.num_embeddings)
+
+    def check(self, module: nn.Embedding, calls: Sequence[Call], name: str) -> None:
+        refuse_frequency_scaling(module, name)
+
+
+def bag_arguments(call: Call) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(input, offsets, per_sample_weights)`` of an EmbeddingBag call, a 2-D input and its
+    weights batch first."""
+    names = ("input", "offsets", "per_sample_weights")
+    bound = dict(zip(names, call.args))
+    bound.update({k: v for k, v in call.kwargs.items() if k in names})
+    indices, offsets, weights = (bound.get(n) for n in names)
+    if weights is not None:
+        weights = weights.detach()
+    if indices.dim() == 2 and call.batch_dim != 0:
+        indices = indices.movedim(call.batch_dim, 0)
+        weights = None if weights is None else weights.movedim(call.batch_dim, 0)
+    return indices, offsets, weights
+
+
+def flat_bags(indices: Tensor, offsets: Tensor | None, weights: Tensor | None,
+              include_last_offset: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor, int]:
+    """``(tokens [N], offsets, weights [N] | None, bag of each token [N], number of bags)``;
+    tokens outside every bag get bag ``-1``."""
+    if indices.dim() == 2:
+        batch, length = indices.shape
+        tokens = indices.reshape(-1)
+        offsets = torch.arange(0, tokens.numel(), max(length, 1), device=tokens.device)[:batch]
+        bags = torch.arange(batch, device=tokens.device).repeat_interleave(length)
+        return tokens, offsets, None if weights is None else weights.reshape(-1), bags, batch
+    batch = len(offsets) - int(include_last_offset)
+    positions = torch.arange(indices.numel(), device=indices.device)
+    bags = torch.searchsorted(offsets, positions, right=True) - 1
+    bags = torch.where(bags < batch, bags, -1)
+    return indices, offsets, weights, bags, batch
+
+
+@register_rule(nn.EmbeddingBag)
+class EmbeddingBagRule(ScatterRule):
+    """EmbeddingBag, each bag a sample: 2-D input ``[B, L]``, or 1-D input with ``offsets``
+    (``B`` bags); modes sum (with ``per_sample_weights``), mean, max; ``padding_idx``."""
+
+    def batch_size(self, module: nn.EmbeddingBag, call: Call) -> int:
+        indices, offsets, _ = bag_arguments(call)
+        if indices.dim() == 2:
+            return indices.shape[0]
+        return len(offsets) - int(module.include_last_offset)
+
+    def scatter(self, module: nn.EmbeddingBag, call: Call) -> Scatter:
+        indices, offsets, weights = bag_arguments(call)
+        grads = call.backprop()  # [B, d]
+        tokens, offsets, weights, bags, batch = flat_bags(indices, offsets, weights,
+                                                          module.include_last_offset)
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        if module.mode == "max":
+            return self.max_scatter(module, tokens, offsets, grads, padding)
+        hit = (bags >= 0) & (tokens != padding)
+        tokens, bags = tokens[hit], bags[hit]
+        values = grads[bags]
+        if module.mode == "mean":
+            counts = torch.bincount(bags, minlength=batch).to(values.dtype)
+            values = values / counts[bags].unsqueeze(1)
+        elif weights is not None:
+            values = values * weights[hit].to(values.dtype).unsqueeze(1)
+        return Scatter(bags, tokens, values, module.num_embeddings)
+
+    def max_scatter(self, module: nn.EmbeddingBag, tokens: Tensor, offsets: Tensor,
+                    grads: Tensor, padding: int) -> Scatter:
+        """One entry per (bag, dim) at the winning token's cell, ``[V d, 1]``; empty bags
+        (or bags of padding only) have none."""
+        _, _, bag_size, winners = torch.embedding_bag(
+            module.weight.detach(), tokens, offsets, False, MODES["max"], False, None,
+            module.include_last_offset, module.padding_idx)
+        batch, dim = grads.shape
+        filled = (bag_size[:batch] > 0).unsqueeze(1) & (winners != padding)
+        samples = torch.arange(batch, device=grads.device).unsqueeze(1).expand(batch, dim)
+        cells = winners * dim + torch.arange(dim, device=grads.device)
+        return Scatter(samples[filled], cells[filled], grads[filled].unsqueeze(1),
+                       module.num_embeddings * dim)
+
+    def check(self, module: nn.EmbeddingBag, calls: Sequence[Call], name: str) -> None:
+        refuse_frequency_scaling(module, name)
+        for call in calls:
+            if bag_arguments(call)[0].dim() == 1 and call.batch_dim != 0:
+                raise PerSampleHooksError(
+                    f"'{name}' (EmbeddingBag) got a 1-D input with offsets and batch_dim="
+                    f"{call.batch_dim}: with offsets each bag is a sample (batch_dim 0)")

@@ -1,0 +1,263 @@
+"""nn.Embedding and nn.EmbeddingBag against the float64 per-sample loop: grad1, norms, clipping."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import TiedLanguageModel
+from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, loop_grads, weighted_square
+from per_sample_hooks.rules import default_registry, embedding, fallback
+
+LOSS_TYPES = st.sampled_from(["mean", "sum"])
+
+
+class Embed(nn.Module):
+    """Embedding on indices ``[B, *]``, then a Linear (non-uniform output gradients)."""
+
+    def __init__(self, vocab: int, dim: int, **options):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, **options)
+        self.lin = nn.Linear(dim, 2)
+
+    def forward(self, tokens):
+        return self.lin(torch.tanh(self.emb(tokens)))
+
+
+class EmbedTwice(Embed):
+    """The embedding called twice in one forward (reuse): contributions add up."""
+
+    def forward(self, tokens):
+        shifted = (tokens + 1) % self.emb.num_embeddings
+        return self.lin(torch.tanh(self.emb(tokens)) * self.emb(shifted))
+
+
+class Bags(nn.Module):
+    """EmbeddingBag on bags given as padded rows ``[B, L]`` with lengths ``[B]``: with
+    ``flat=True`` the bags go in as one 1-D input with offsets (each bag a sample), else as the
+    2-D input itself (lengths unused)."""
+
+    def __init__(self, vocab: int, dim: int, flat: bool, **options):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(vocab, dim, **options)
+        self.flat = flat
+
+    def forward(self, tokens, lengths, weights=None):
+        if not self.flat:
+            return self.bag(tokens, per_sample_weights=weights)
+        keep = torch.arange(tokens.shape[1]) < lengths.unsqueeze(1)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        if not self.bag.include_last_offset:
+            offsets = offsets[:-1]
+        return self.bag(tokens[keep], offsets, None if weights is None else weights[keep])
+
+
+def test_rules_are_native():
+    for layer in (nn.Embedding(3, 2), nn.EmbeddingBag(3, 2)):
+        rule = default_registry.lookup(layer)
+        assert rule is not None and not isinstance(rule, fallback.FallbackRule)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 4), shape=st.lists(st.integers(1, 3), max_size=2),
+       vocab=st.integers(1, 6), dim=st.integers(1, 4), padding=st.sampled_from([None, 0, -1]),
+       twice=st.booleans(), loss_type=LOSS_TYPES)
+def test_embedding(batch, shape, vocab, dim, padding, twice, loss_type):
+    torch.manual_seed(0)
+    model = (EmbedTwice if twice else Embed)(vocab, dim, padding_idx=padding)
+    tokens = torch.randint(vocab, (batch, *shape))
+    got = assert_matches_loop(model, [tokens], loss_type=loss_type)
+    if padding is not None:  # the padding row gets no gradient
+        assert not got["emb.weight"][:, padding].any()
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_embedding_frozen(loss_type):
+    torch.manual_seed(0)
+    model = Embed(5, 3)
+    model.emb.weight.requires_grad_(False)
+    got = assert_matches_loop(model, [torch.randint(5, (4, 3))], loss_type=loss_type)
+    assert "emb.weight" not in got and "lin.weight" in got
+
+
+def test_embedding_tied_to_output_layer_through_a_module():
+    """The table is also the output layer's weight (a Linear called as a module)."""
+    torch.manual_seed(0)
+    assert_matches_loop(TiedLanguageModel(vocab=11, dim=8, heads=2, length=5),
+                        [torch.randint(11, (3, 5))], loss_fn=weighted_square)
+
+
+def test_embedding_batch_dim_one():
+    torch.manual_seed(0)
+    assert_matches_loop(Embed(6, 3), [torch.randint(6, (4, 3))], batch_dim=1,
+                        loss_fn=lambda out: (out.movedim(1, 0) ** 2).flatten(1).sum(1))
+
+
+def test_embedding_max_norm_is_exact():
+    """max_norm renormalizes the hit rows in place during the forward. The loop runs on an
+    untouched copy, so it renormalizes sample by sample; the gradients still agree."""
+    torch.manual_seed(0)
+    model = Embed(6, 4, max_norm=0.5).double()
+    with torch.no_grad():
+        model.emb.weight.mul_(3)
+    fresh = copy.deepcopy(model)
+    tokens = torch.randint(6, (5, 3))
+    assert (fresh.emb.weight[tokens.unique()].norm(dim=1) > 0.5).all()
+    psh.add_hooks(model)
+    weighted_square(model(tokens)).mean().backward()
+    psh.compute_grad1(model)
+    got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    psh.remove_hooks(model)
+    assert (model.emb.weight[tokens.unique()].norm(dim=1) <= 0.5).all()  # renormalized
+    expected = loop_grads(fresh, [tokens], weighted_square, 5)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
+
+
+def sparse_grad1(check_unseen: bool) -> None:
+    torch.manual_seed(0)
+    model = Embed(7, 3, sparse=True, padding_idx=1).double()
+    tokens = torch.randint(7, (4, 3))
+    psh.add_hooks(model, check_unseen=check_unseen)
+    try:
+        weighted_square(model(tokens)).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        got = model.emb.weight.grad1.clone()
+        assert model.emb.weight.grad.is_sparse
+        torch.testing.assert_close(got.sum(0), model.emb.weight.grad.to_dense())
+    finally:
+        psh.remove_hooks(model)
+    expected = loop_grads(model, [tokens], weighted_square, 4)["emb.weight"].to_dense()
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_embedding_sparse():
+    sparse_grad1(check_unseen=False)
+
+
+@pytest.mark.xfail(reason="unseen.py projects p's gradient with reshape, which sparse "
+                   "gradients (Embedding(sparse=True)) do not implement", raises=RuntimeError)
+def test_embedding_sparse_with_unseen_check():
+    sparse_grad1(check_unseen=True)
+
+
+@pytest.mark.parametrize("make", [lambda: Embed(5, 3, scale_grad_by_freq=True),
+                                  lambda: Bags(5, 3, flat=False, scale_grad_by_freq=True)])
+def test_scale_grad_by_freq_is_refused(make):
+    model = make().double()
+    inputs = [torch.randint(5, (4, 3))] + ([] if isinstance(model, Embed) else
+                                           [torch.full((4,), 3)])
+    hooked_backward(model, inputs)
+    try:
+        with pytest.raises(psh.PerSampleHooksError, match="scale_grad_by_freq=True"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+
+
+# --- EmbeddingBag ----------------------------------------------------------------------------
+
+def bag_inputs(batch: int, length: int, vocab: int, weighted: bool, empty: bool,
+               generator: torch.Generator) -> list:
+    tokens = torch.randint(vocab, (batch, length), generator=generator)
+    lengths = torch.randint(0 if empty else 1, length + 1, (batch,), generator=generator)
+    inputs = [tokens, lengths]
+    if weighted:
+        inputs.append(torch.randn(batch, length, generator=generator, dtype=torch.double))
+    return inputs
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 4), length=st.integers(1, 4), vocab=st.integers(1, 6),
+       dim=st.integers(1, 3), mode=st.sampled_from(["sum", "mean", "max"]),
+       flat=st.booleans(), last=st.booleans(), padding=st.sampled_from([None, 0]),
+       weighted=st.booleans(), loss_type=LOSS_TYPES)
+def test_embedding_bag(batch, length, vocab, dim, mode, flat, last, padding, weighted,
+                       loss_type):
+    torch.manual_seed(0)
+    weighted = weighted and mode == "sum"
+    model = Bags(vocab, dim, flat, mode=mode, padding_idx=padding,
+                 include_last_offset=last and flat)
+    inputs = bag_inputs(batch, length, vocab, weighted, empty=flat,
+                        generator=torch.Generator().manual_seed(batch * 7 + length))
+    got = assert_matches_loop(model, inputs, loss_type=loss_type)
+    if padding is not None:
+        assert not got["bag.weight"][:, padding].any()
+
+
+def test_embedding_bag_empty_bags():
+    torch.manual_seed(0)
+    for mode in ("sum", "mean", "max"):
+        model = Bags(5, 3, flat=True, mode=mode)
+        inputs = [torch.randint(5, (4, 3)), torch.tensor([2, 0, 3, 0])]
+        got = assert_matches_loop(model, inputs)
+        assert not got["bag.weight"][[1, 3]].any()
+
+
+# --- norms and clipping ----------------------------------------------------------------------
+
+CASES = {
+    "embedding": (lambda: Embed(6, 3), lambda g: [torch.randint(6, (4, 5), generator=g)]),
+    "embedding_padding_3d": (lambda: Embed(6, 3, padding_idx=2),
+                             lambda g: [torch.randint(6, (4, 2, 3), generator=g)]),
+    "embedding_twice": (lambda: EmbedTwice(4, 3, padding_idx=0),
+                        lambda g: [torch.randint(4, (5, 4), generator=g)]),
+    "bag_sum_weighted": (lambda: Bags(6, 3, flat=False, mode="sum", padding_idx=1),
+                         lambda g: bag_inputs(4, 5, 6, True, False, g)),
+    "bag_mean_flat": (lambda: Bags(6, 3, flat=True, mode="mean", padding_idx=1),
+                      lambda g: bag_inputs(4, 5, 6, False, True, g)),
+    "bag_max_flat": (lambda: Bags(6, 3, flat=True, mode="max", include_last_offset=True),
+                     lambda g: bag_inputs(4, 5, 6, False, True, g)),
+    "bag_max": (lambda: Bags(6, 3, flat=False, mode="max"),
+                lambda g: bag_inputs(4, 5, 6, False, False, g)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_norms_and_clipping(case, loss_type):
+    torch.manual_seed(0)
+    make, inputs = CASES[case]
+    model, x = make(), inputs(torch.Generator().manual_seed(3))
+    assert_norms_match(model, x, loss_type=loss_type)
+    for max_norm in (1e-3, 0.3, 1e6):
+        assert_clipping_matches(model, x, max_norm, loss_type=loss_type)
+
+
+def test_norms_and_clipping_frozen_embedding():
+    torch.manual_seed(0)
+    model = Embed(6, 3)
+    model.emb.weight.requires_grad_(False)
+    x = [torch.randint(6, (4, 5))]
+    assert_norms_match(model, x)
+    assert_clipping_matches(model, x, 0.1)
+
+
+def test_scatter_functions_against_dense():
+    """The Scatter helpers against a dense [B, R, w] tensor, both layouts."""
+    g = torch.Generator().manual_seed(0)
+    for width, rows in ((3, 5), (1, 15)):
+        n, batch = 9, 3
+        s = embedding.Scatter(torch.randint(batch, (n,), generator=g),
+                              torch.randint(rows, (n,), generator=g),
+                              torch.randn(n, width, generator=g, dtype=torch.double), rows)
+        dense = torch.zeros(batch, rows, width, dtype=torch.double)
+        dense.index_put_((s.samples, s.rows), s.values, accumulate=True)
+        out = torch.full((batch, 5, 3), float("nan"), dtype=torch.double)
+        embedding.write_per_sample(out, s, 2.0)
+        torch.testing.assert_close(out.view(batch, rows, width), 2 * dense)
+        torch.testing.assert_close(embedding.scatter_norms_squared(s, batch),
+                                   dense.flatten(1).pow(2).sum(1))
+        weights = torch.rand(batch, generator=g, dtype=torch.double)
+        total = torch.full((5, 3), float("nan"), dtype=torch.double)
+        embedding.scatter_weighted_sum(total, s, weights)
+        torch.testing.assert_close(total.view(rows, width), torch.einsum("b,brw->rw", weights,
+                                                                         dense))
+        u, v = torch.randn(2, 5, dtype=torch.double), torch.randn(2, 3, dtype=torch.double)
+        value, _ = embedding.scatter_probe(s, (u, v), 3)
+        torch.testing.assert_close(value, torch.einsum("pv,vd,pd->p", u, dense.sum(0)
+                                                       .view(5, 3), v))
