@@ -252,3 +252,14 @@ def test_batch_norm_without_affine_in_eval_is_fine():
     torch.manual_seed(0)
     model = named_model(randomize(nn.BatchNorm1d(4, affine=False))).eval()
     assert_matches_loop(model, [torch.randn(5, 4)])
+
+
+def test_instance_norm_without_batch_dim_is_refused():
+    model = nn.InstanceNorm1d(3, affine=True)
+    psh.add_hooks(model)
+    try:
+        model(torch.randn(3, 5)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="without a batch dim"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
