@@ -12,11 +12,13 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.func import grad, hessian, jvp, vmap
+from torch.func import grad, jacrev, vjp, vmap
+
+CHUNK_ELEMENTS = 1 << 22  # default chunk: about this many Hessian entries (16 MB in float32)
 
 
-def batch_hessian(fn: Callable[[Tensor], Tensor], x: Tensor, *, batched: bool = False
-                  ) -> Tensor:
+def batch_hessian(fn: Callable[[Tensor], Tensor], x: Tensor, *, batched: bool = False,
+                  chunk_size: int | None = None) -> Tensor:
     """Hessian of ``fn`` at every sample of ``x``: ``H[i] = d^2 fn(x[i]) / dx[i]^2``.
 
     Args:
@@ -27,26 +29,35 @@ def batch_hessian(fn: Callable[[Tensor], Tensor], x: Tensor, *, batched: bool = 
             where output ``i`` depends on ``x[i]`` only (no batch norm in training mode, no
             mean over the batch); it is called on the whole batch and need not support vmap.
         x: ``[B, *S]``; the batch dim is dim 0.
+        chunk_size: samples per chunk (default: about ``2^22`` Hessian entries per chunk,
+            ``max(1, 2^22 // prod(S)^2)``). Chunks keep the intermediates (``chunk * prod(S)``
+            times the activations) in cache: the whole batch at once is 2-5x slower on CPU for
+            ``B=500, d=200``. With ``batched=True``, ``fn`` is called on each chunk.
 
     Returns:
         ``[B, *S, *S]`` (``[B, d, d]`` for ``x [B, d]``), in ``x``'s dtype.
 
-    Methods: ``batched=False`` is ``vmap(hessian(fn))`` (``hessian`` = forward-over-reverse,
-    ``jacfwd(jacrev(fn))``). ``batched=True`` uses that sample ``i``'s gradient of
-    ``sum_j fn(x)[j]`` depends on ``x[i]`` only: a forward-mode derivative of that gradient in
-    the direction ``e_k`` for every sample at once gives column ``k`` of every sample's Hessian
-    (``prod(S)`` Hessian-vector products of the whole batch, vmapped over ``k``). Nothing
-    checks that samples do not interact: if they do, the result is wrong, not an error.
+    Methods (reverse-over-reverse: on CPU it measured 1.3-1.5x faster than ``torch.func.hessian``'s
+    forward-over-reverse, see ``benchmarks/batch_hessian.py``): ``batched=False`` is
+    ``vmap(jacrev(jacrev(fn)))``. ``batched=True`` uses that sample ``i``'s gradient of
+    ``sum_j fn(x)[j]`` depends on ``x[i]`` only: the vector-Jacobian product of that gradient
+    with ``e_k`` for every sample at once gives row ``k`` of every sample's Hessian
+    (``prod(S)`` Hessian-vector products of the whole batch, vmapped over ``k``; the trick of
+    seed 004 without its ``[B, d, B, d]`` detour). Nothing checks that samples do not
+    interact: if they do, the result is wrong, not an error.
     """
     if x.dim() < 1:
         raise ValueError("batch_hessian: x needs a batch dim: [B, *sample_shape]")
-    if not batched:
-        return vmap(hessian(fn))(x)
-    return _batched_hessian(fn, x)
+    d = x.shape[1:].numel()
+    chunk = chunk_size or max(1, CHUNK_ELEMENTS // max(1, d * d))
+    one_chunk = vmap(jacrev(jacrev(fn))) if not batched else (lambda c: _batched_hessian(fn, c))
+    if x.shape[0] <= chunk:
+        return one_chunk(x)
+    return torch.cat([one_chunk(c) for c in x.split(chunk)])
 
 
 def _batched_hessian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """``[B, *S, *S]``: forward-over-reverse of ``grad(sum(fn))`` along ``e_k``, all samples."""
+    """``[B, *S, *S]``: reverse-over-reverse of ``grad(sum(fn))`` along ``e_k``, all samples."""
     sample_shape = x.shape[1:]
     d = sample_shape.numel()
 
@@ -57,15 +68,14 @@ def _batched_hessian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
                              f"[{x.shape[0]}], got {tuple(out.shape)}")
         return out.sum()
 
-    gradient = grad(summed)
+    _, pullback = vjp(grad(summed), x)
 
-    def column(direction: Tensor) -> Tensor:  # direction [*S] -> H[:, ..., k] as [B, *S]
-        tangent = direction.expand_as(x)
-        return jvp(gradient, (x,), (tangent,))[1]
+    def row(direction: Tensor) -> Tensor:  # direction [*S] -> e_k^T H_i for every i: [B, *S]
+        return pullback(direction.expand_as(x))[0]
 
     basis = torch.eye(d, dtype=x.dtype, device=x.device).reshape(d, *sample_shape)
-    columns = vmap(column)(basis)  # [d, B, *S]: columns[k, i] = H_i e_k
-    return columns.reshape(d, x.shape[0], d).permute(1, 2, 0).reshape(
+    rows = vmap(row)(basis)  # [d, B, *S]: rows[k, i] = e_k^T H_i
+    return rows.reshape(d, x.shape[0], d).transpose(0, 1).reshape(
         x.shape[0], *sample_shape, *sample_shape)
 
 

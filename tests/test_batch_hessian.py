@@ -82,3 +82,12 @@ def test_float32_close_to_float64():
     h = batch_hessian(lambda s: net32(s).squeeze(-1), x.float())
     assert h.dtype == torch.float32
     torch.testing.assert_close(h.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_chunks_give_the_same_result(batched):
+    net = mlp(3)
+    x = torch.randn(7, 3, dtype=torch.float64)
+    one = lambda s: net(s).squeeze(-1)  # noqa: E731
+    torch.testing.assert_close(batch_hessian(one, x, batched=batched, chunk_size=3),
+                               batch_hessian(one, x, batched=batched))
