@@ -54,6 +54,18 @@ def project(t: Tensor, probe: Probe) -> Tensor:
     return (torch.matmul(v, t.transpose(-1, -2)) * u).sum(-1)
 
 
+def project_gradient(grad: Tensor, probe: Probe) -> Tensor:
+    """``u_k^T grad v_k`` for a parameter's gradient, dense or sparse (``Embedding(sparse=True)``
+    gives rows: ``O(nnz)`` from its entries, no dense ``[V, d]`` copy)."""
+    if not grad.is_sparse:
+        return project(grad.reshape(matrix_shape(grad.shape)), probe)
+    if grad.sparse_dim() != 1:
+        return project(grad.to_dense().reshape(matrix_shape(grad.shape)), probe)
+    u, v = probe
+    rows, values = grad._indices()[0], grad._values().reshape(len(grad._indices()[0]), -1)
+    return (torch.matmul(values, v.t()) * u[:, rows].t()).sum(0)
+
+
 def project_samples(per_sample: Tensor, probe: Probe) -> tuple[Tensor, Tensor]:
     """Projection of ``per_sample.sum(0)`` (``[B, *shape]``) and its rounding scale: the sum of
     the absolute per-sample projections."""
@@ -104,7 +116,7 @@ class UnseenUseCheck:
         def hook(grad: Tensor) -> None:
             if not self._state.enabled:
                 return
-            value = project(grad.detach().reshape(matrix_shape(p.shape)), self.probe(p))
+            value = project_gradient(grad.detach(), self.probe(p))
             total = self.totals.get(p)
             self.totals[p] = value if total is None else total + value
         return hook

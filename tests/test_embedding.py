@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import TiedLanguageModel
 from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
+import torch.nn.functional as F
 from torch import nn
 
 import per_sample_hooks as psh
@@ -139,8 +140,6 @@ def test_embedding_sparse():
     sparse_grad1(check_unseen=False)
 
 
-@pytest.mark.xfail(reason="unseen.py projects p's gradient with reshape, which sparse "
-                   "gradients (Embedding(sparse=True)) do not implement", raises=RuntimeError)
 def test_embedding_sparse_with_unseen_check():
     sparse_grad1(check_unseen=True)
 
@@ -261,3 +260,23 @@ def test_scatter_functions_against_dense():
         value, _ = embedding.scatter_probe(s, (u, v), 3)
         torch.testing.assert_close(value, torch.einsum("pv,vd,pd->p", u, dense.sum(0)
                                                        .view(5, 3), v))
+
+
+def test_sparse_use_outside_the_module_is_reported():
+    """The unseen-use check projects sparse gradients from their rows: a functional sparse
+    lookup of the table outside its module is still caught."""
+    class Outside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 3, sparse=True)
+
+        def forward(self, tokens):
+            return self.emb(tokens) + F.embedding(tokens.flip(1), self.emb.weight, sparse=True)
+
+    torch.manual_seed(0)
+    model = Outside().double()
+    with psh.add_hooks(model):
+        weighted_square(model(torch.randint(7, (4, 3)))).sum().backward()
+        assert model.emb.weight.grad.is_sparse
+        with pytest.raises(psh.PerSampleHooksError, match="'emb.weight'"):
+            psh.compute_grad1(model, loss_type="sum")
