@@ -3,11 +3,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import TiedLanguageModel
 from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
-import torch.nn.functional as F
 from torch import nn
 
 import per_sample_hooks as psh
