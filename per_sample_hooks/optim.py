@@ -41,10 +41,17 @@ of the (mean) loss for ``vec(M)`` (row-major) as ``kron(G, A)`` with ``A [da, da
 ``compute_kfac`` does not cover (norm layers, embeddings, the fallback) keep their gradient.
 
 Which curvature the factors describe is decided by the backward passes the hooks saw
-(see :mod:`per_sample_hooks.curvature`): after the ordinary ``loss.backward()`` they are the
-empirical-Fisher factors; with ``backprop_hess`` they are the Gauss-Newton / Fisher ones.
-``step()`` reads them and then clears the captured records (``clear_backprops``): call any other
-``compute_*`` function of the same step before ``precond.step()``.
+(see :mod:`per_sample_hooks.curvature`): by default ``step()`` reads them after the ordinary
+``loss.backward()``: empirical-Fisher factors. For Gauss-Newton / Fisher factors call
+:meth:`KFAC.backprop_hess` on the network output before the loss's backward::
+
+    output = model(x)
+    precond.backprop_hess(output, "CrossEntropy")   # o extra backward passes (update steps)
+    F.cross_entropy(output, y).backward()
+    precond.step()
+
+``step()`` clears the captured records (``clear_backprops``) once it has read the factors: call
+any other ``compute_*`` function of the same step before ``precond.step()``.
 """
 from __future__ import annotations
 
@@ -62,6 +69,7 @@ from .capture import STATE_ATTRIBUTE, unwrap
 Factors = Mapping[nn.Module, tuple[Tensor, Tensor]]
 FactorFn = Callable[[nn.Module], Factors]
 Approx = Literal["expand", "reduce"]
+HessType = Literal["LeastSquares", "CrossEntropy"]
 
 
 @dataclass
@@ -150,7 +158,7 @@ def default_factors(approx: Approx, loss_type: LossType) -> FactorFn:
     """``model -> compute_kfac(model, approx, loss_type)``."""
     def factors(model: nn.Module) -> Factors:
         from .curvature import compute_kfac  # noqa: PLC0415  (curvature imports torch.func)
-        return compute_kfac(model, approx=approx, loss_type=loss_type)
+        return compute_kfac(model, approx=approx, loss_type=loss_type, unsupported="skip")
     return factors
 
 
@@ -175,7 +183,8 @@ class KFAC:
         pause_hooks: disable the model's hooks on steps that read no factors (``update_freq >
             1``); set False if something else reads the hooks on every step.
         factors: ``model -> {module: (A, G)}``; default ``compute_kfac(model, approx,
-            loss_type)`` after the step's backward. Any function with that contract works.
+            loss_type, unsupported="skip")`` after the step's backward (layers whose rule has
+            no Kronecker factors are left out). Any function with that contract works.
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, factor_decay: float = 0.95,
@@ -200,7 +209,9 @@ class KFAC:
         self.lr = lr
         self.rescale_norm = rescale_norm
         self.pause_hooks = pause_hooks
+        self.loss_type = loss_type
         self.read_factors = factors or default_factors(approx, loss_type)
+        self.read_this_step = False  # factors already read by backprop_hess
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
         self.steps = 0
@@ -210,11 +221,33 @@ class KFAC:
 
     # ------------------------------------------------------------------ the step
 
+    def backprop_hess(self, output: Tensor, hess_type: HessType, *,
+                      n_samples: int | None = None,
+                      generator: torch.Generator | None = None) -> None:
+        """On an update step, read Gauss-Newton / Fisher factors now: ``backprop_hess(output,
+        hess_type)`` (graph kept for the loss's backward) then the factors. Call it on the
+        step's fresh ``output`` before ``loss.backward()``; ``step()`` then reads no factors.
+        Does nothing on steps that read no factors (``update_freq > 1``).
+
+        ``hess_type``: ``"CrossEntropy"`` or ``"LeastSquares"`` (per-sample ``0.5|y - t|^2``);
+        ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
+        ``o`` passes (see :func:`per_sample_hooks.curvature.backprop_hess`).
+        """
+        if self.steps % self.update_freq != 0 or self.read_this_step:
+            return
+        from .curvature import backprop_hess  # noqa: PLC0415
+        backprop_hess(output, hess_type, loss_type=self.loss_type, n_samples=n_samples,
+                      generator=generator, retain_graph=True)
+        self.update_factors(self.read_factors(self.model))
+        clear_backprops(self.model)
+        self.read_this_step = True
+
     @torch.no_grad()
     def step(self) -> None:
         """Update factors / eigendecompositions when due, then precondition the gradients."""
-        if self.steps % self.update_freq == 0:
+        if self.steps % self.update_freq == 0 and not self.read_this_step:
             self.update_factors(self.read_factors(self.model))
+        self.read_this_step = False
         clear_backprops(self.model)
         if self.steps % self.inverse_freq == 0 or any(m not in self.eigen for m in self.factors):
             self.update_eigen()

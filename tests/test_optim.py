@@ -92,6 +92,41 @@ def test_single_linear_mse_step_is_newton_step():
     torch.testing.assert_close(torch.cat([layer.weight, layer.bias[:, None]], 1).detach(), best)
 
 
+def test_single_linear_least_squares_newton_step_with_compute_kfac():
+    """The same with the real factors: backprop_hess("LeastSquares") on the loss
+    mean_i 0.5 |W x_i + b - y_i|^2 gives G = I, A = E[a a^T]: kron(G, A) is the Hessian."""
+    if compute_kfac is None:
+        pytest.skip("per_sample_hooks.curvature not there yet")
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3).double()
+    x, y = torch.randn(40, 5, dtype=torch.float64), torch.randn(40, 3, dtype=torch.float64)
+    precond = KFAC(layer, damping=0.0)
+    output = layer(x)
+    precond.backprop_hess(output, "LeastSquares")
+    (0.5 * (output - y).pow(2).sum(1).mean()).backward()
+    precond.step()
+    torch.optim.SGD(layer.parameters(), lr=1.0).step()
+    a = torch.cat([x, torch.ones(40, 1, dtype=torch.float64)], 1)
+    best = torch.linalg.lstsq(a, y).solution.T
+    torch.testing.assert_close(torch.cat([layer.weight, layer.bias[:, None]], 1).detach(), best)
+
+
+def test_stand_in_matches_compute_kfac():
+    if compute_kfac is None:
+        pytest.skip("per_sample_hooks.curvature not there yet")
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(6 * 9, 3)).double()
+    psh.add_hooks(model)
+    F.cross_entropy(model(torch.randn(8, 4, 5, 5, dtype=torch.float64)),
+                    torch.randint(0, 3, (8,))).backward()
+    mine = kfac_by_hand(model)
+    real = compute_kfac(model)
+    assert set(mine) == set(real)
+    for m in mine:
+        torch.testing.assert_close(mine[m], real[m])
+
+
 def test_damped_direction_is_the_kronecker_solve():
     """(kron(G, A) + lambda I)^{-1} vec(M), row-major vec, with the factors read."""
     torch.manual_seed(1)
@@ -242,19 +277,25 @@ def test_bad_arguments():
 
 # ----------------------------------------------------------------------------- training
 
-def test_a_few_steps_decrease_the_loss():
+@pytest.mark.parametrize("fisher", [False, True])
+def test_a_few_steps_decrease_the_loss(fisher):
     """SGD + KFAC on a small classification problem: the loss falls well within 20 steps."""
     torch.manual_seed(7)
     x = torch.randn(128, 1, 6, 6)
     y = (x.mean((1, 2, 3)) > 0).long() + 2 * (x[:, :, :3].mean((1, 2, 3)) > 0).long()
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 4))
+    if fisher and compute_kfac is None:
+        pytest.skip("per_sample_hooks.curvature not there yet")
     precond = KFAC(model, damping=1e-2, factor_decay=0.9, inverse_freq=5,
-                   factors=factor_source())
+                   factors=None if fisher else factor_source())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     losses = []
     for _ in range(20):
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        output = model(x)
+        if fisher:
+            precond.backprop_hess(output, "CrossEntropy")
+        loss = F.cross_entropy(output, y)
         loss.backward()
         precond.step()
         optimizer.step()
