@@ -23,10 +23,32 @@ Instead of ``skip_gradient_allreduce`` a backward inside ``ddp.no_sync()`` (forw
 works too; without either, DDP's all-reduce runs and its result is overwritten (correct but
 wasted). Noise for DP-SGD must be the same on every rank (a generator seeded alike) or added
 on one rank before the all-reduce; the privacy accounting sees the global batch.
+
+KFAC factors computed on each rank's shard are averaged with :func:`all_reduce_kfac` (one flat
+all-reduce), after which every rank holds the factors of the global batch.
+
+Several machines: the functions here only need an initialized default process group, so any
+launcher works. With ``torchrun``, the same script on every machine (2 machines, 4 processes
+each; ``gloo`` on CPU, ``nccl`` on GPUs)::
+
+    # on machine 0 (its address 10.0.0.1 reachable from the others), then on machine 1 with
+    # --node_rank=1; torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    torchrun --nnodes=2 --nproc_per_node=4 --node_rank=0 \
+             --rdzv_backend=c10d --rdzv_endpoint=10.0.0.1:29500 train.py
+
+    # train.py
+    dist.init_process_group("gloo")                 # reads the variables torchrun set
+    sampler = DistributedSampler(dataset)           # each rank: its own shard
+    ddp = DistributedDataParallel(model)            # device_ids=[LOCAL_RANK] on GPUs
+    ... the loop above ...
+
+On one machine ``torchrun --standalone --nproc_per_node=2 train.py``. The tests
+(``tests/test_distributed.py``) start 2 processes with ``torch.multiprocessing`` and a file
+rendezvous instead, loopback only.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -91,32 +113,96 @@ def all_reduce_weighted_mean(tensors: Iterable[Tensor], weight: float,
 
 
 @torch.no_grad()
-def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean",
-               group: dist.ProcessGroup | None = None) -> Tensor:
-    """DP clipping over the global batch: on every rank ``p.grad`` becomes the clipped mean
-    (``loss_type="mean"``) or sum over all ranks' samples, as one process would get on the
-    concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`),
-    then one all-reduce of the clipped sums (and the batch sizes). Returns the local
-    (unclipped) norms ``[B_local]``."""
-    _check_initialized("distributed.clip_grads")
-    norms = clip_grads_local(model, max_norm, loss_type)
-    local = len(norms)
+def all_reduce_kfac(factors: Mapping[nn.Module, tuple[Tensor, Tensor]],
+                    batch_size: int | None = None, group: dist.ProcessGroup | None = None
+                    ) -> Mapping[nn.Module, tuple[Tensor, Tensor]]:
+    """Average KFAC factors ``{module: (A, G)}`` over ranks, in place, in one flat all-reduce.
+
+    Every rank must pass the factors of the same modules in the same order (as
+    ``compute_kfac`` returns them for the same model). With ``batch_size`` (the local batch
+    size) the average is weighted by it: the factors of the global batch when local batches
+    differ in size; without it every rank weighs the same. Returns ``factors``."""
+    _check_initialized("all_reduce_kfac")
+    tensors = [t for pair in factors.values() for t in pair]
+    if tensors:
+        all_reduce_weighted_mean(tensors, 1 if batch_size is None else batch_size, group)
+    return factors
+
+
+def reduce_clipped(grads: list[Tensor], local_batch: int, loss_type: LossType,
+                   group: dist.ProcessGroup | None = None) -> int:
+    """In place on every rank, one all-reduce: each rank's clipped mean (``loss_type="mean"``,
+    weighted by ``local_batch``) or clipped sum becomes the global one. Returns the global batch
+    size. A rank with an empty batch passes zero gradients and ``local_batch=0``."""
+    weight = float(local_batch) if loss_type == "mean" else 1.0
+    dtype = grads[0].dtype if grads else torch.float64
+    device = grads[0].device if grads else torch.device("cpu")
+    flat = torch.cat([g.reshape(-1).to(dtype) * weight for g in grads]
+                     + [torch.tensor([float(local_batch)], dtype=dtype, device=device)])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    total = int(round(float(flat[-1])))
+    if loss_type == "mean" and total > 0:
+        flat[:-1].div_(total)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return total
+
+
+def trainable_grads(model: nn.Module) -> list[Tensor]:
+    """``p.grad`` of every trainable parameter (zeros where there is none), in model order."""
     grads = []
     for p in _trainable(model):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    if loss_type == "mean":  # local clipped mean -> weighted by the local batch size
-        all_reduce_weighted_mean(grads, local, group)
+    return grads
+
+
+@torch.no_grad()
+def clip_and_reduce(model: nn.Module, max_norm: float, loss_type: LossType = "mean",
+                    group: dist.ProcessGroup | None = None) -> tuple[Tensor, int]:
+    """:func:`clip_grads`, also returning the global batch size."""
+    _check_initialized("distributed.clip_grads")
+    norms = clip_grads_local(model, max_norm, loss_type)
+    total = reduce_clipped(trainable_grads(model), len(norms), loss_type, group)
+    return norms, total
+
+
+def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean",
+               group: dist.ProcessGroup | None = None) -> Tensor:
+    """DP clipping over the global batch: on every rank ``p.grad`` becomes the clipped mean
+    (``loss_type="mean"``) or sum over all ranks' samples, as one process would get on the
+    concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`),
+    then one all-reduce of the clipped sums and the batch sizes. Returns the local (unclipped)
+    norms ``[B_local]``."""
+    return clip_and_reduce(model, max_norm, loss_type, group)[0]
+
+
+def broadcast_noise(shapes: list[tuple[torch.Size, torch.dtype]], std: float,
+                    generator: torch.Generator | None, device: torch.device,
+                    group: dist.ProcessGroup | None = None) -> list[Tensor]:
+    """Gaussian noise drawn on rank 0 (one draw per shape, in order, from ``generator``) and
+    broadcast, so that every rank adds the same noise. One broadcast."""
+    _check_initialized("broadcast_noise")
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    if dist.get_rank() == src:
+        gen_device = device if generator is None else generator.device
+        noises = [torch.normal(0.0, std, shape, generator=generator, dtype=dtype,
+                               device=gen_device).to(device) for shape, dtype in shapes]
     else:
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-    return norms
+        noises = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    if not noises:
+        return noises
+    flat = torch.cat([n.reshape(-1).double() for n in noises])
+    dist.broadcast(flat, src=src, group=group)
+    offset, out = 0, []
+    for n in noises:
+        out.append(flat[offset:offset + n.numel()].view(n.shape).to(n.dtype))
+        offset += n.numel()
+    return out
 
 
-__all__ = ["skip_gradient_allreduce", "clip_grads", "all_reduce_weighted_mean"]
+__all__ = ["skip_gradient_allreduce", "clip_grads", "clip_and_reduce", "reduce_clipped",
+           "all_reduce_weighted_mean", "all_reduce_kfac", "broadcast_noise", "trainable_grads"]

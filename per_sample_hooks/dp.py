@@ -25,10 +25,12 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
+from . import distributed
 from .api import LossType, add_hooks
 from .errors import PerSampleHooksError
 from .norms import _check_max_norm, clip_grads
@@ -128,6 +130,15 @@ class DPSGD:
     stored), adds ``N(0, (noise_multiplier * max_grad_norm)^2)`` to the sum, divides by the
     expected batch size, steps the optimizer and the accountant. Noise goes on every trainable
     parameter of ``model``. The model is hooked with :func:`~per_sample_hooks.add_hooks`.
+
+    With a ``DistributedDataParallel`` model (process group initialized) every rank samples
+    from its own shard: ``dataset_size`` and ``batch_size`` are per rank (the sampling rate,
+    hence the accounting, is the global one) and the expected global batch is
+    ``world_size * batch_size``. DDP's all-reduce of unclipped gradients is switched off (a
+    comm hook); ``step`` clips locally, all-reduces the clipped sums once
+    (:func:`per_sample_hooks.distributed.clip_grads`), and adds noise drawn on rank 0 and
+    broadcast, so every rank steps with the same gradient. A rank with an empty batch must
+    still call ``step(empty_batch=True)`` (it takes part in the all-reduce).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -153,6 +164,9 @@ class DPSGD:
         self.generator = generator
         self.steps = 0
         self.output_edges = OutputEdges(model)
+        self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
+        if self.distributed:
+            distributed.skip_gradient_allreduce(model)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -175,7 +189,13 @@ class DPSGD:
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` without the parameter gradients, which :meth:`step` rebuilds
-        clipped (about a third of the backward saved). ``loss.backward()`` works too."""
+        clipped (about a third of the backward saved). ``loss.backward()`` works too.
+        Under DDP a plain ``loss.backward()`` (DDP's reducer expects every parameter's
+        gradient; its all-reduce is off)."""
+        if self.distributed:
+            self.output_edges.clear()
+            loss.backward()
+            return
         self.output_edges.backward(loss)
 
     def _parameters(self) -> list[nn.Parameter]:
@@ -190,24 +210,39 @@ class DPSGD:
             norms, actual = torch.zeros(0), 0
             for p in self._parameters():
                 p.grad = torch.zeros_like(p)
+            if self.distributed:  # the other ranks' clipped sums still arrive here
+                actual = distributed.reduce_clipped(distributed.trainable_grads(self.model), 0,
+                                                    self.loss_type)
+        elif self.distributed:
+            norms, actual = distributed.clip_and_reduce(self.model, self.max_grad_norm,
+                                                        self.loss_type)
         else:
             norms = clip_grads(self.model, self.max_grad_norm, self.loss_type)
             actual = len(norms)
         # clip_grads gives the clipped mean (mean loss) or sum; rescale to sum / expected size
-        expected = self.batch_size
+        expected = self.batch_size * (dist.get_world_size() if self.distributed else 1)
         factor = (actual if self.loss_type == "mean" else 1) / expected
         std = self.noise_multiplier * self.max_grad_norm / expected
-        for p in self._parameters():
+        params = self._parameters()
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if factor != 1:
                 p.grad.mul_(factor)
-            if std > 0:
-                device = p.device if self.generator is None else self.generator.device
-                noise = torch.normal(0.0, std, p.shape, generator=self.generator,
-                                     dtype=p.dtype, device=device)
+        if std > 0:
+            for p, noise in zip(params, self._noise(params, std)):
                 p.grad.add_(noise.to(p.device))
         return norms
+
+    def _noise(self, params: list[nn.Parameter], std: float) -> list[Tensor]:
+        """One Gaussian draw per parameter from ``generator`` (under DDP: on rank 0, broadcast)."""
+        if self.distributed:
+            device = params[0].device if params else torch.device("cpu")
+            return distributed.broadcast_noise([(p.shape, p.dtype) for p in params], std,
+                                               self.generator, device)
+        return [torch.normal(0.0, std, p.shape, generator=self.generator, dtype=p.dtype,
+                             device=p.device if self.generator is None
+                             else self.generator.device) for p in params]
 
     def step(self, empty_batch: bool = False) -> Tensor:
         """Privatize the gradients of this batch, step the optimizer and the accountant.

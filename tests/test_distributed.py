@@ -1,30 +1,38 @@
 """DistributedDataParallel on CPU (gloo, 2 processes, loopback only via a file rendezvous):
-every rank's results equal one process's on the concatenated batch.
+every rank's results equal the float64 per-sample loop on the concatenated (global) batch.
 
 - per-sample gradients and norms of each rank's shard, model wrapped in DDP;
-- DP-SGD: ``psh.distributed.clip_grads`` leaves on every rank the clipped mean (sum) over the
-  global batch, with DDP's own all-reduce skipped (comm hook) or suppressed (``no_sync``);
-  local batches of different sizes; several optimizer steps keep the ranks identical.
+- DP clipping: ``psh.distributed.clip_grads`` leaves on every rank the clipped mean (sum) over
+  the global batch, in exactly one all-reduce; DDP's own all-reduce of unclipped gradients is
+  skipped (comm hook), suppressed (``no_sync``) or runs and is overwritten (``plain``): never
+  leaks into the result; local batches of different sizes, an empty one included; several
+  optimizer steps keep the ranks identical to one process;
+- ``DPSGD`` on a DDP model: the same parameters as one process running ``DPSGD`` on the global
+  batch with the same noise (drawn on rank 0 and broadcast);
+- KFAC factors of each shard averaged with ``all_reduce_kfac`` equal those of the global batch.
 """
 from __future__ import annotations
 
 import os
 import sys
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from norms_truth import loop_clipped
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import per_sample_hooks as psh
-from ground_truth import weighted_square
+from ground_truth import loop_grads
 
 WORLD = 2
-SHARDS = [3, 5]  # local batch sizes: uneven on purpose
+STEP_SHARDS = [(3, 5), (0, 4), (5, 2)]  # local batch sizes per step: uneven, one rank empty
 MAX_NORM = 0.05  # small enough that most samples are clipped
+LR = 0.5
 
 
 def make_model() -> nn.Module:
@@ -33,14 +41,22 @@ def make_model() -> nn.Module:
                          nn.Linear(3 * 6, 4), nn.ReLU(), nn.Linear(4, 2)).double()
 
 
+def weighted_square(output: torch.Tensor) -> torch.Tensor:
+    """``ground_truth.weighted_square`` that also takes an empty batch."""
+    flat = output.flatten(1)
+    weights = torch.linspace(-1.0, 2.0, flat.shape[1], dtype=flat.dtype)
+    return (flat.pow(2) * weights + flat * weights.flip(0)).sum(1)
+
+
 def global_batch(step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(sum(SHARDS), 2, 6, generator=generator, dtype=torch.float64)
+    return torch.randn(sum(STEP_SHARDS[step]), 2, 6, generator=generator, dtype=torch.float64)
 
 
-def shard(x: torch.Tensor, rank: int) -> torch.Tensor:
-    start = sum(SHARDS[:rank])
-    return x[start:start + SHARDS[rank]]
+def shard(x: torch.Tensor, rank: int, step: int = 0) -> torch.Tensor:
+    sizes = STEP_SHARDS[step]
+    start = sum(sizes[:rank])
+    return x[start:start + sizes[rank]]
 
 
 def backward(model: nn.Module, x: torch.Tensor, loss_type: str) -> None:
@@ -52,85 +68,171 @@ def check_close(got, expected, what: str) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=lambda m: f"{what}: {m}")
 
 
+def loop_truth(model: nn.Module, x: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Per-sample gradients and total norms of the global batch, float64 loop, unhooked model."""
+    grads = loop_grads(model, [x], weighted_square, len(x))
+    return grads, torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+
+
+class AllReduceCounter:
+    """Counts ``dist.all_reduce`` calls made from Python (DDP's reducer calls C++ directly)."""
+
+    def __init__(self):
+        self.count = 0
+        self.original = dist.all_reduce
+
+    def __enter__(self):
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.original
+
+
 def per_sample_on_each_rank(rank: int) -> None:
     reference = make_model()
     ddp = DistributedDataParallel(make_model())
-    with psh.add_hooks(reference), psh.add_hooks(ddp):
-        x = global_batch(0)
-        backward(reference, x, "mean")
-        psh.compute_grad1(reference)
-        norms = psh.compute_norms(reference)
-        expected = {n: shard(p.grad1, rank) for n, p in reference.named_parameters()}
+    x = global_batch(0)
+    grads, norms = loop_truth(reference, x)
+    with psh.add_hooks(ddp):
         backward(ddp, shard(x, rank), "mean")  # DDP averages p.grad; grad1 is per sample
         local_norms = psh.compute_norms(ddp)
         psh.compute_grad1(ddp)
         for n, p in ddp.module.named_parameters():
-            check_close(p.grad1, expected[n], f"rank {rank} grad1 {n}")
+            check_close(p.grad1, shard(grads[n], rank), f"rank {rank} grad1 {n}")
         check_close(local_norms, shard(norms, rank), f"rank {rank} norms")
 
 
-def local_grads(model: nn.Module, x: torch.Tensor, loss_type: str) -> list[torch.Tensor]:
-    """Plain gradients of the local batch, on an unhooked copy (a deepcopy of a hooked model
-    would share its hooks)."""
-    copied = make_model()
-    copied.load_state_dict(model.state_dict())
-    model = copied
-    backward(model, x, loss_type)
-    return [p.grad for p in model.parameters()]
-
-
-def dp_sgd_matches_one_process(rank: int, loss_type: str, suppress: str) -> None:
-    reference = make_model()
+def dp_clipping_matches_one_process(rank: int, loss_type: str, suppress: str) -> None:
+    reference = make_model()  # unhooked: the loop's model, stepped with the loop's clipped mean
     ddp = DistributedDataParallel(make_model())
     if suppress == "comm_hook":
         psh.distributed.skip_gradient_allreduce(ddp)
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    with psh.add_hooks(reference), psh.add_hooks(ddp):
-        for step in range(3):
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    with psh.add_hooks(ddp):
+        for step in range(len(STEP_SHARDS)):
             x = global_batch(step)
-            opt_ref.zero_grad(set_to_none=True)
-            backward(reference, x, loss_type)
-            expected_norms = psh.clip_grads(reference, MAX_NORM, loss_type)
+            grads, total = loop_truth(reference, x)
+            expected = loop_clipped(grads, total, MAX_NORM, loss_type)
+            assert bool((total > MAX_NORM).any()), "no sample clipped: the test proves little"
             opt.zero_grad(set_to_none=True)
-            mine = shard(x, rank)
-            unsynced = local_grads(ddp.module, mine, loss_type)
+            mine = shard(x, rank, step)
+            local = {n: g.sum(0) / (max(len(mine), 1) if loss_type == "mean" else 1)
+                     for n, g in shard_grads(grads, rank, step).items()}
+            # every rank runs forward and backward, an empty batch included (DDP needs all)
             if suppress == "no_sync":
                 with ddp.no_sync():
                     backward(ddp, mine, loss_type)
             else:
                 backward(ddp, mine, loss_type)
-            # DDP's all-reduce of unclipped gradients did not run: p.grad is the local one
-            for p, g in zip(ddp.parameters(), unsynced):
-                check_close(p.grad, g, f"rank {rank} step {step}: DDP communicated")
-            norms = psh.distributed.clip_grads(ddp, MAX_NORM, loss_type)
-            check_close(norms, shard(expected_norms, rank), f"rank {rank} norms")
-            assert bool((norms > MAX_NORM).any()), "no sample clipped: the test proves little"
-            for (n, p), q in zip(ddp.module.named_parameters(), reference.parameters()):
-                check_close(p.grad, q.grad, f"rank {rank} step {step} clipped {n}")
-            opt_ref.step()
+            if suppress != "plain":  # DDP's all-reduce of unclipped gradients did not run
+                for n, p in ddp.module.named_parameters():
+                    check_close(p.grad, local[n], f"rank {rank} step {step}: DDP synced {n}")
+            with AllReduceCounter() as counter:
+                norms = psh.distributed.clip_grads(ddp, MAX_NORM, loss_type)
+            assert counter.count == 1, f"{counter.count} all-reduces in clip_grads"
+            check_close(norms, shard(total, rank, step), f"rank {rank} norms")
+            for n, p in ddp.module.named_parameters():
+                check_close(p.grad, expected[n], f"rank {rank} step {step} clipped {n}")
             opt.step()
+            with torch.no_grad():
+                for n, q in reference.named_parameters():
+                    q.sub_(LR * expected[n])
     for p, q in zip(ddp.module.parameters(), reference.parameters()):
-        check_close(p.detach(), q.detach(), f"rank {rank} parameters after 3 steps")
+        check_close(p.detach(), q.detach(), f"rank {rank} parameters after the steps")
+
+
+def shard_grads(grads: dict, rank: int, step: int) -> dict:
+    return {n: shard(g, rank, step) for n, g in grads.items()}
+
+
+def dpsgd_matches_one_process(rank: int, loss_type: str) -> None:
+    """DPSGD on DDP (per rank: half the dataset, half the expected batch) vs DPSGD in one
+    process on the global batch; rank 0's generator is the one process's, rank 1's differs."""
+    reference = make_model()
+    ddp = DistributedDataParallel(make_model())
+    options = dict(noise_multiplier=0.7, max_grad_norm=MAX_NORM, loss_type=loss_type,
+                   accountant=None)
+    one = psh.DPSGD(reference, torch.optim.SGD(reference.parameters(), lr=LR), dataset_size=16,
+                    batch_size=8, generator=torch.Generator().manual_seed(7), **options)
+    mine = psh.DPSGD(ddp, torch.optim.SGD(ddp.parameters(), lr=LR), dataset_size=8,
+                     batch_size=4, generator=torch.Generator().manual_seed(7 + 50 * rank),
+                     **options)
+    with psh.add_hooks(reference), psh.add_hooks(ddp):
+        for step in range(len(STEP_SHARDS)):
+            x = global_batch(step)
+            one.zero_grad()
+            one.backward(losses(reference, x, loss_type))
+            one.step()
+            mine.zero_grad()
+            mine.backward(losses(ddp, shard(x, rank, step), loss_type))  # maybe empty
+            mine.step()
+            for (n, p), q in zip(ddp.module.named_parameters(), reference.parameters()):
+                check_close(p.detach(), q.detach(), f"rank {rank} DPSGD step {step} {n}")
+    one.close()
+    mine.close()
+
+
+def losses(model: nn.Module, x: torch.Tensor, loss_type: str) -> torch.Tensor:
+    values = weighted_square(model(x))
+    return values.mean() if loss_type == "mean" else values.sum()
+
+
+def kfac_factors_match_one_process(rank: int) -> None:
+    from per_sample_hooks.curvature import compute_kfac  # noqa: PLC0415 - may not exist yet
+
+    reference = make_model()
+    ddp = DistributedDataParallel(make_model())
+    x = global_batch(0)
+    with psh.add_hooks(reference), psh.add_hooks(ddp):
+        backward(reference, x, "mean")
+        expected = compute_kfac(reference, approx="expand", loss_type="mean")
+        expected = [tuple(t.clone() for t in pair) for pair in expected.values()]
+        mine = shard(x, rank)
+        with ddp.no_sync():
+            backward(ddp, mine, "mean")
+        factors = compute_kfac(ddp, approx="expand", loss_type="mean")
+        with AllReduceCounter() as counter:
+            psh.distributed.all_reduce_kfac(factors, batch_size=len(mine))
+        assert counter.count == 1
+        assert len(factors) == len(expected) > 0
+        for (module, (a, g)), (ea, eg) in zip(factors.items(), expected):
+            check_close(a, ea, f"rank {rank} KFAC A of {type(module).__name__}")
+            check_close(g, eg, f"rank {rank} KFAC G of {type(module).__name__}")
 
 
 def weighted_mean_helper(rank: int) -> None:
     tensors = [torch.full((2, 2), float(rank + 1), dtype=torch.float64)]
-    total = psh.distributed.all_reduce_weighted_mean(tensors, SHARDS[rank])
-    assert total == sum(SHARDS)
+    total = psh.distributed.all_reduce_weighted_mean(tensors, STEP_SHARDS[0][rank])
+    assert total == sum(STEP_SHARDS[0])
     check_close(tensors[0], torch.full((2, 2), (3 * 1 + 5 * 2) / 8, dtype=torch.float64),
                 "weighted mean")
 
 
-def worker(rank: int, init_file: str, errors: str) -> None:
+def has_compute_kfac() -> bool:
+    try:
+        from per_sample_hooks.curvature import compute_kfac  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def worker(rank: int, init_file: str, errors: str, part: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+                            world_size=WORLD, timeout=timedelta(seconds=60))
     try:
+        if part == "kfac":
+            kfac_factors_match_one_process(rank)
+            return
         per_sample_on_each_rank(rank)
         for loss_type in ("mean", "sum"):
-            for suppress in ("comm_hook", "no_sync"):
-                dp_sgd_matches_one_process(rank, loss_type, suppress)
+            for suppress in ("comm_hook", "no_sync", "plain"):
+                dp_clipping_matches_one_process(rank, loss_type, suppress)
+            dpsgd_matches_one_process(rank, loss_type)
         weighted_mean_helper(rank)
     except BaseException:
         with open(f"{errors}.{rank}", "w") as f:
@@ -140,18 +242,36 @@ def worker(rank: int, init_file: str, errors: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
-@pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only")
-def test_ddp_two_processes_match_one_process(tmp_path):
+def spawn(tmp_path, part: str) -> None:
     init_file = str(tmp_path / "rendezvous")
     errors = str(tmp_path / "errors")
     try:
-        mp.spawn(worker, args=(init_file, errors), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(init_file, errors, part), nprocs=WORLD, join=True)
     except Exception as error:  # noqa: BLE001 - show the workers' own tracebacks
         reports = [open(f"{errors}.{r}").read() for r in range(WORLD)
                    if os.path.exists(f"{errors}.{r}")]
         pytest.fail("\n".join(reports) or str(error))
+
+
+needs_gloo = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+    pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only"),
+]
+
+
+@needs_gloo[0]
+@needs_gloo[1]
+def test_ddp_two_processes_match_one_process(tmp_path):
+    spawn(tmp_path, "dp")
+
+
+@needs_gloo[0]
+@needs_gloo[1]
+@pytest.mark.skipif(not has_compute_kfac(),
+                    reason="per_sample_hooks.curvature.compute_kfac does not exist yet")
+def test_kfac_factors_averaged_over_two_processes(tmp_path):
+    spawn(tmp_path, "kfac")
 
 
 def test_distributed_helpers_need_an_initialized_process_group():
@@ -162,5 +282,7 @@ def test_distributed_helpers_need_an_initialized_process_group():
         model(torch.randn(3, 2)).sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match="init_process_group"):
             psh.distributed.clip_grads(model, 1.0)
+        with pytest.raises(psh.PerSampleHooksError, match="init_process_group"):
+            psh.distributed.all_reduce_kfac({model: (torch.eye(2), torch.eye(1))})
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         psh.distributed.skip_gradient_allreduce(model)
