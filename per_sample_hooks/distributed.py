@@ -18,7 +18,9 @@ size::
 
 ``clip_grads`` leaves on every rank the clipped mean (or sum) over the global batch, exactly
 what one process gets from ``per_sample_hooks.clip_grads`` on the concatenated batch:
-``(1 / B_global) sum_i c_i g_i`` for ``loss_type="mean"`` (local batches may differ in size).
+``(1 / B_global) sum_i c_i g_i`` for ``loss_type="mean"`` (local batches may differ in size;
+a rank with an empty batch still runs forward, backward and ``clip_grads`` on a ``[0, ...]``
+batch: DDP and the all-reduce need every rank).
 Instead of ``skip_gradient_allreduce`` a backward inside ``ddp.no_sync()`` (forward included)
 works too; without either, DDP's all-reduce runs and its result is overwritten (correct but
 wasted). Noise for DP-SGD must be the same on every rank (a generator seeded alike) or added

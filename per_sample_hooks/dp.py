@@ -137,8 +137,9 @@ class DPSGD:
     ``world_size * batch_size``. DDP's all-reduce of unclipped gradients is switched off (a
     comm hook); ``step`` clips locally, all-reduces the clipped sums once
     (:func:`per_sample_hooks.distributed.clip_grads`), and adds noise drawn on rank 0 and
-    broadcast, so every rank steps with the same gradient. A rank with an empty batch must
-    still call ``step(empty_batch=True)`` (it takes part in the all-reduce).
+    broadcast, so every rank steps with the same gradient. Every rank runs the forward,
+    backward and ``step()`` of every step, an empty local batch included (a ``[0, ...]``
+    tensor): DDP needs all ranks in each forward, ``step`` in each all-reduce.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import per_sample_hooks as psh
 from ground_truth import loop_grads
+from per_sample_hooks.curvature import compute_kfac
 
 WORLD = 2
 STEP_SHARDS = [(3, 5), (0, 4), (5, 2)]  # local batch sizes per step: uneven, one rank empty
@@ -182,8 +183,6 @@ def losses(model: nn.Module, x: torch.Tensor, loss_type: str) -> torch.Tensor:
 
 
 def kfac_factors_match_one_process(rank: int) -> None:
-    from per_sample_hooks.curvature import compute_kfac  # noqa: PLC0415 - may not exist yet
-
     reference = make_model()
     ddp = DistributedDataParallel(make_model())
     x = global_batch(0)
@@ -212,23 +211,13 @@ def weighted_mean_helper(rank: int) -> None:
                 "weighted mean")
 
 
-def has_compute_kfac() -> bool:
-    try:
-        from per_sample_hooks.curvature import compute_kfac  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
-def worker(rank: int, init_file: str, errors: str, part: str) -> None:
+def worker(rank: int, init_file: str, errors: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
     try:
-        if part == "kfac":
-            kfac_factors_match_one_process(rank)
-            return
         per_sample_on_each_rank(rank)
+        kfac_factors_match_one_process(rank)
         for loss_type in ("mean", "sum"):
             for suppress in ("comm_hook", "no_sync", "plain"):
                 dp_clipping_matches_one_process(rank, loss_type, suppress)
@@ -242,36 +231,22 @@ def worker(rank: int, init_file: str, errors: str, part: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn(tmp_path, part: str) -> None:
+def spawn(tmp_path) -> None:
     init_file = str(tmp_path / "rendezvous")
     errors = str(tmp_path / "errors")
     try:
-        mp.spawn(worker, args=(init_file, errors, part), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(init_file, errors), nprocs=WORLD, join=True)
     except Exception as error:  # noqa: BLE001 - show the workers' own tracebacks
         reports = [open(f"{errors}.{r}").read() for r in range(WORLD)
                    if os.path.exists(f"{errors}.{r}")]
         pytest.fail("\n".join(reports) or str(error))
 
 
-needs_gloo = [
-    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                       reason="torch.distributed with gloo is not available"),
-    pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only"),
-]
-
-
-@needs_gloo[0]
-@needs_gloo[1]
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only")
 def test_ddp_two_processes_match_one_process(tmp_path):
-    spawn(tmp_path, "dp")
-
-
-@needs_gloo[0]
-@needs_gloo[1]
-@pytest.mark.skipif(not has_compute_kfac(),
-                    reason="per_sample_hooks.curvature.compute_kfac does not exist yet")
-def test_kfac_factors_averaged_over_two_processes(tmp_path):
-    spawn(tmp_path, "kfac")
+    spawn(tmp_path)
 
 
 def test_distributed_helpers_need_an_initialized_process_group():
