@@ -261,6 +261,10 @@ class KFAC:
         decay = self.factor_decay
         for module, (a, g) in new.items():
             a, g = as_grouped(a.detach()), as_grouped(g.detach())
+            if not (torch.isfinite(a).all() and torch.isfinite(g).all()):
+                raise FloatingPointError(
+                    f"KFAC: non-finite Kronecker factors for '{self.names.get(module, module)}' "
+                    "(the training diverged: lower the learning rate or raise the damping)")
             old = self.factors.get(module)
             if old is None or old[0].shape != a.shape or old[1].shape != g.shape:
                 self.factors[module] = (a.clone(), g.clone())
