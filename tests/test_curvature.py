@@ -90,6 +90,23 @@ def test_compute_hess_equals_exact_hessian(net: str, hess_type: str, loss_type: 
         assert all(p.grad is None for p in model.parameters())  # backprop_hess leaves .grad
 
 
+@pytest.mark.parametrize("hess_type", ["LeastSquares", "CrossEntropy"])
+def test_conv_transpose_hess_equals_exact_hessian(hess_type: str) -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1,
+                                             groups=2), nn.ReLU(),
+                          nn.ConvTranspose2d(4, 1, 2, bias=False), Flatten(),
+                          nn.Linear(81, 3)).to(DT)
+    x = torch.randn(3, 2, 4, 4, dtype=DT)
+    t = targets(hess_type, 3, 3)
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), hess_type)
+        psh.compute_hess(model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.hess, exact_block(model, name, x, t, hess_type),
+                                       rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @settings(max_examples=6, deadline=None)
 @given(dims=st.sampled_from([1, 2]), stride=st.integers(1, 2), padding=st.integers(0, 1),
        dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]), bias=st.booleans(),

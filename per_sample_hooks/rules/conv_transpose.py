@@ -18,13 +18,13 @@ that no input position reaches; they are cropped before unfolding.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..capture import Call
-from .base import Rule, register_rule
+from .base import Rule, hess_from_grad1, register_rule
 from .conv import (
     add_spatial_sums,
     check_batched,
@@ -129,3 +129,8 @@ class ConvTransposeRule(Rule):
                                                 scale, i > 0)
             if bias is not None:
                 add_spatial_sums(bias, grad_output, scale, i > 0)
+
+    def hess(self, module: nn.modules.conv._ConvTransposeNd, calls: Sequence[Call],
+             scale: float, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Exact Gauss-Newton blocks from per-pass per-sample gradients (:meth:`grad1`)."""
+        return hess_from_grad1(self, module, calls, scale, params)
