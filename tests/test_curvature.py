@@ -442,3 +442,27 @@ def test_errors() -> None:
             psh.compute_hess(model)
     with pytest.raises(ValueError, match="batch, classes"):
         psh.backprop_hess(torch.randn(2, 3, 4, requires_grad=True), "CrossEntropy")
+
+
+def test_kfac_factors_held_by_the_caller_are_never_overwritten() -> None:
+    """Factor storage is reused across steps only once the caller dropped the factors."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(300, 260), nn.ReLU(), nn.Linear(260, 3)).to(DT)
+    x1, x2 = torch.randn(6, 300, dtype=DT), torch.randn(6, 300, dtype=DT)
+    with psh.add_hooks(model):
+        def factors(x: Tensor) -> dict[nn.Module, tuple[Tensor, Tensor]]:
+            model.zero_grad(set_to_none=True)
+            model(x).square().sum().backward()
+            return psh.compute_kfac(model)
+        first = factors(x1)
+        kept = {m: (a.clone(), g.clone()) for m, (a, g) in first.items()}
+        second = factors(x2)
+        for module, (a, g) in first.items():
+            assert torch.equal(a, kept[module][0]) and torch.equal(g, kept[module][1])
+            assert a.data_ptr() != second[module][0].data_ptr()
+        expected = {m: (a.clone(), g.clone()) for m, (a, g) in second.items()}
+        del first, second
+        again = factors(x2)
+        for module, (a, g) in again.items():
+            torch.testing.assert_close(a, expected[module][0], rtol=0, atol=0)
+            torch.testing.assert_close(g, expected[module][1], rtol=0, atol=0)

@@ -266,10 +266,10 @@ class ConvRule(Rule):
         per_sample = module.groups * positions * module.weight[0].numel()
         chunks = ([conv_patches(module, x[start:stop]) for x in inputs]
                   for start, stop in sample_chunks(batch, per_sample))
-        a = input_factor(chunks, batch, ones, approx)
+        a = input_factor(chunks, batch, ones, approx, module)
         passes = [[conv_output_grads(module, c.backprop()) for c in pass_calls]
                   for pass_calls in split_passes(calls)]
-        g = output_factor(passes, scale, approx)
+        g = output_factor(passes, scale, approx, module)
         return (a[0], g[0]) if module.groups == 1 else (a, g)
 
     def hess(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,

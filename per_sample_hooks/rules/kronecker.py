@@ -15,8 +15,9 @@ with ``a`` the activations (a constant 1 appended when the layer has a trainable
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Literal
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
@@ -107,11 +108,40 @@ def squeeze_groups(x: Tensor) -> Tensor:
     return x[:, 0] if x.shape[1] == 1 else x.transpose(0, 1)
 
 
-def new_factor(like: Tensor, features: int, ones: bool) -> Tensor:
+_spare_factors: WeakKeyDictionary = WeakKeyDictionary()
+"""``{owner (a module): {kind: factor}}``: the storage of the factors returned last time, to be
+written again once nobody holds them (see :func:`new_factor`). Entries die with the module."""
+
+
+def only_cached(buffer: Tensor) -> bool:
+    """Whether nothing but the cache (no tensor, view or storage object elsewhere) holds
+    ``buffer``'s storage; False when the count is not available."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False
+    return count(buffer.untyped_storage()._cdata) <= 2  # the cached tensor + this query's
+
+
+def new_factor(like: Tensor, features: int, ones: bool, owner: Hashable | None = None,
+               kind: str = "") -> Tensor:
     """Uninitialized ``[(Gr,) F, F]`` for rows ``like [(Gr,) m, features]``,
-    ``F = features (+1)``."""
+    ``F = features (+1)``.
+
+    With an ``owner`` (weakly referenced), the storage of the factor returned for
+    ``(owner, kind)`` last time is reused when nobody holds it any more: a fresh 340 MB factor
+    (the seed-001 CNN's fc1) costs about 150 ms of page faults, more than its product. A
+    factor the caller still holds is never overwritten (a fresh one is made instead).
+    """
     size = features + int(ones)
-    return like.new_empty((*like.shape[:-2], size, size))
+    shape = (*like.shape[:-2], size, size)
+    if owner is None:
+        return like.new_empty(shape)
+    spare = _spare_factors.setdefault(owner, {})
+    buffer = spare.get(kind)
+    if (buffer is None or buffer.shape != shape or buffer.dtype != like.dtype
+            or buffer.device != like.device or not only_cached(buffer)):
+        buffer = spare[kind] = like.new_empty(shape)
+    return buffer
 
 
 def as_grouped(factor: Tensor, rows: Tensor) -> Tensor:
@@ -119,14 +149,15 @@ def as_grouped(factor: Tensor, rows: Tensor) -> Tensor:
     return factor.unsqueeze(0) if rows.dim() == 2 else factor
 
 
-def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, approx: Approx
-                 ) -> Tensor:
+def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, approx: Approx,
+                 owner: Hashable | None = None) -> Tensor:
     """``A [Gr, da, da]`` from activations given a chunk of samples at a time.
 
     Each chunk lists one ``[n, Gr, T_c, f]`` tensor per call (the same samples); the chunks
     cover the batch of ``batch`` samples once. Positions of all calls count together. The
     ``1/(N T)`` (``1/(N T^2)``) scaling goes into the products; only the upper block triangle
-    is multiplied, then mirrored; the bias coordinate is never materialized.
+    is multiplied, then mirrored; the bias coordinate is never materialized. ``owner``: see
+    :func:`new_factor`.
     """
     acc, rows, beta = None, None, 0.0
     for parts in chunks:
@@ -140,15 +171,17 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
             terms = [(squeeze_groups(summed), float(positions))]
         for rows, coordinate in terms:
             if acc is None:
-                acc = new_factor(rows, rows.shape[-1], ones)
+                acc = new_factor(rows, rows.shape[-1], ones, owner, "A")
             add_upper_gram(acc, rows, coordinate if ones else None, alpha, beta)
             beta = 1.0
     return as_grouped(mirror_upper(acc, rows.shape[-1]), rows)
 
 
-def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Approx) -> Tensor:
+def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Approx,
+                  owner: Hashable | None = None) -> Tensor:
     """``G [Gr, dg, dg]`` from captured output gradients: one list per backward pass, one
-    ``[B, Gr, T_c, p]`` tensor per call; ``scale`` goes into the products."""
+    ``[B, Gr, T_c, p]`` tensor per call; ``scale`` goes into the products. ``owner``: see
+    :func:`new_factor`."""
     acc, rows, beta = None, None, 0.0
     for parts in passes:
         if approx == "expand":
@@ -158,7 +191,7 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
             terms = [squeeze_groups(summed)]
         for rows in terms:
             if acc is None:
-                acc = new_factor(rows, rows.shape[-1], False)
+                acc = new_factor(rows, rows.shape[-1], False, owner, "G")
             add_upper_gram(acc, rows, None, scale, beta)
             beta = 1.0
     return as_grouped(mirror_upper(acc, rows.shape[-1]), rows)

@@ -174,8 +174,8 @@ class LinearRule(Rule):
         acts = [flatten_positions(c.activation()).unsqueeze(1) for c in calls]
         passes = [[flatten_positions(c.backprop()).unsqueeze(1) for c in pass_calls]
                   for pass_calls in split_passes(calls)]
-        a = input_factor([acts], acts[0].shape[0], ones, approx)
-        return a[0], output_factor(passes, scale, approx)[0]
+        a = input_factor([acts], acts[0].shape[0], ones, approx, module)
+        return a[0], output_factor(passes, scale, approx, module)[0]
 
     def hess(self, module: nn.Linear, calls: Sequence[Call], scale: float,
              params: Mapping[str, Tensor]) -> dict[str, Tensor]:
