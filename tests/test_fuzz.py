@@ -1,39 +1,38 @@
-"""Fuzzing: hypothesis builds random models from every supported layer family (random widths,
-kernel options, nesting, reuse, frozen parameters) and random batches, and checks
-``compute_grad1``, ``compute_norms`` and ``clip_grads`` against the float64 per-sample loop.
+"""Fuzzing: hypothesis builds random models from every supported layer family (Linear, Conv /
+ConvTranspose 1-3d, RNN/LSTM/GRU, Embedding, LayerNorm, RMSNorm, GroupNorm, InstanceNorm,
+BatchNorm in eval mode, MultiheadAttention through the fallback with ``PSH_FUZZ_ATTENTION=1``;
+random widths, kernel options,
+nesting, reuse, frozen parameters) and random batches, and checks ``compute_grad1``,
+``compute_norms``, ``clip_grads`` and (Linear layers) ``compute_kfac`` against the float64
+per-sample loop.
 
-Profiles (environment variable ``PSH_FUZZ``):
-- unset / ``ci``: ``CI_EXAMPLES`` examples per model family (bounded: ~30 s in all on the
-  2-core CI machine);
-- ``long``: ``LONG_EXAMPLES`` per family, for a run on demand:
-  ``PSH_FUZZ=long pytest tests/test_fuzz.py``; hypothesis prints any failing model spec.
-  ``PSH_FUZZ_EXAMPLES=N`` sets the number of examples per family directly. The ``ci`` profile
-  is derandomized (the same examples every run); ``long`` draws new ones each run.
+Profiles, registered in ``tests/conftest.py`` and picked by ``PSH_FUZZ_PROFILE``:
+- ``ci`` (default): ``FUZZ_PROFILES["ci"]`` examples per test, derandomized (the same examples
+  every run), bounded for the 2-core CI machine;
+- ``long``, on demand, new examples every run; hypothesis prints any failing model spec::
+
+      PSH_FUZZ_PROFILE=long python -m pytest tests/test_fuzz.py -q --hypothesis-show-statistics
+
+``PSH_FUZZ_EXAMPLES=N`` overrides the number of examples per test in either profile.
 """
 from __future__ import annotations
 
 import os
 
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from conftest import FUZZ_PROFILE
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from norms_truth import loop_clipped
 from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import loop_grads, weighted_square
+from per_sample_hooks.curvature import compute_kfac
 
-CI_EXAMPLES = 12
-LONG_EXAMPLES = 400
-PROFILE = os.environ.get("PSH_FUZZ", "ci")
-if PROFILE not in ("ci", "long"):
-    raise ValueError(f"PSH_FUZZ must be 'ci' or 'long', got {PROFILE!r}")
-EXAMPLES = int(os.environ.get("PSH_FUZZ_EXAMPLES", 0)) or (
-    LONG_EXAMPLES if PROFILE == "long" else CI_EXAMPLES)
-FUZZ = settings(max_examples=EXAMPLES,
-                deadline=None, derandomize=PROFILE == "ci",
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.filter_too_much])
+FUZZ = settings(settings.get_profile(FUZZ_PROFILE),
+                **({"max_examples": int(os.environ["PSH_FUZZ_EXAMPLES"])}
+                   if os.environ.get("PSH_FUZZ_EXAMPLES") else {}))
 
 ACTIVATIONS = [nn.Tanh, nn.GELU, nn.Sigmoid, lambda: nn.ReLU(inplace=True), nn.Identity]
 
@@ -105,7 +104,74 @@ def dense_models(draw):
             inner = nn.Linear(width, width, bias=draw(st.booleans()))
             layers.append(Twice(inner) if kind == "twice" else Residual(inner))
         layers.append(draw(st.sampled_from(ACTIVATIONS))())
+        if draw(st.integers(0, 2)) == 0:
+            layers.append(draw(feature_norms(width)))
     return nest(draw, layers), (*leading, first)
+
+
+@st.composite
+def feature_norms(draw, width: int):
+    """A norm over the last dim: LayerNorm or RMSNorm, affine or not, with or without bias."""
+    if draw(st.booleans()):
+        return nn.LayerNorm(width, elementwise_affine=draw(st.booleans()),
+                            bias=draw(st.booleans()))
+    return nn.RMSNorm(width, elementwise_affine=draw(st.booleans()))
+
+
+@st.composite
+def channel_norms(draw, channels: int, dims: int):
+    """GroupNorm, InstanceNorm (affine) or BatchNorm in eval mode (running statistics)."""
+    kind = draw(st.sampled_from(["group", "instance", "batch"]))
+    if kind == "group":
+        groups = draw(st.sampled_from([g for g in (1, 2, 3) if channels % g == 0]))
+        return nn.GroupNorm(groups, channels, affine=draw(st.booleans()))
+    cls = ({1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d} if kind == "instance"
+           else {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d})[dims]
+    norm = cls(channels, affine=True)
+    if kind == "batch":
+        with torch.no_grad():
+            norm.running_mean.uniform_(-1, 1)
+            norm.running_var.uniform_(0.5, 2)
+        norm.eval()
+    return norm
+
+
+ATTENTION_IN_POOL = os.environ.get("PSH_FUZZ_ATTENTION") == "1"
+"""MultiheadAttention (a fallback unit) is out of the default pool: the fuzzer found that
+``compute_norms`` / ``clip_grads`` raise ``KeyError: 'out_proj.weight'`` on it (the default
+``Rule.norms_squared`` in rules/base.py looks up ``module._parameters[name]``, which has no
+qualified child names), and that a frozen ``in_proj_weight`` makes MHA no unit, so the
+unseen-use check refuses ``out_proj``. ``PSH_FUZZ_ATTENTION=1`` puts it back."""
+
+
+class Attention(nn.Module):
+    """Self-attention (``nn.MultiheadAttention``, through the torch.func fallback)."""
+
+    def __init__(self, width: int, heads: int, bias: bool):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width, heads, bias=bias, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+@st.composite
+def token_models(draw):
+    """Embedding of token ids, then attention / Linear / norms on ``[B, T, d]``."""
+    vocabulary, width = draw(st.integers(2, 7)), draw(st.sampled_from([2, 4, 6]))
+    layers: list[nn.Module] = [nn.Embedding(vocabulary, width,
+                                            padding_idx=draw(st.sampled_from([None, 0])))]
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["attention", "linear", "norm"] if ATTENTION_IN_POOL
+                                    else ["linear", "norm"]))
+        if kind == "attention":
+            layers.append(Attention(width, draw(st.sampled_from([1, 2])), draw(st.booleans())))
+        elif kind == "linear":
+            layers += [nn.Linear(width, width), draw(st.sampled_from(ACTIVATIONS))()]
+        else:
+            layers.append(draw(feature_norms(width)))
+    layers.append(nn.Linear(width, draw(st.integers(1, 3))))
+    return nest(draw, layers), vocabulary, draw(st.integers(1, 4))
 
 
 @st.composite
@@ -132,12 +198,16 @@ def conv_models(draw):
         if transposed and stride > 1:
             options["output_padding"] = draw(st.integers(0, 1))
         layers.append(cls(channels, out, kernel, **options))
+        if draw(st.integers(0, 2)) == 0:
+            layers.append(draw(channel_norms(out, dims)))
         layers.append(draw(st.sampled_from(ACTIVATIONS))())
         channels = out
     try:
         with torch.no_grad():
-            features = nn.Sequential(*layers)(torch.zeros(1, *shape)).numel()
-    except RuntimeError:  # output too small for the kernel, invalid output_padding, ...
+            probe = nn.Sequential(*layers)
+            probe.train(False)
+            features = probe(torch.zeros(2, *shape))[0].numel()
+    except (RuntimeError, ValueError):  # output too small for the kernel or norm, ...
         assume(False)
     assume(0 < features <= 400)
     layers += [nn.Flatten(), nn.Linear(features, draw(st.integers(1, 3)))]
@@ -161,11 +231,13 @@ def recurrent_models(draw):
 
 def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: float,
                      batch_dim: int = 0) -> None:
-    """compute_grad1, compute_norms and clip_grads of one hooked backward vs the float64 loop.
+    """compute_grad1, compute_norms, clip_grads and compute_kfac (Linear layers) of one hooked
+    backward vs the float64 loop.
 
     ``batch_dim`` is where the batch is in ``x`` (1 for a sequence-first RNN, whose rule knows
     its layout); the model's output is batch first."""
-    model, x = model.double(), x.double()
+    model = model.double()
+    x = x.double() if x.is_floating_point() else x  # token ids stay integers
     batch = x.shape[batch_dim]
     psh.add_hooks(model)
     try:
@@ -182,6 +254,9 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
                 torch.testing.assert_close(reduced, expected, rtol=1e-9, atol=1e-10)
             else:
                 assert not hasattr(p, "grad1"), f"frozen {n} got grad1"
+        kfac = {m: (a.clone(), g.clone()) for m, (a, g) in
+                compute_kfac(model, "expand", loss_type, unsupported="skip").items()
+                if isinstance(m, nn.Linear)}
         clip_norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
         clipped = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                    for n, p in model.named_parameters() if p.requires_grad}
@@ -198,6 +273,53 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
     for n, g in loop_clipped(expected, total, max_norm, loss_type).items():
         torch.testing.assert_close(clipped[n], g, rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=n: f"clipped {n}: {m}")
+    expected_kfac = loop_kfac(model, x, loss_type, batch_dim)
+    assert kfac.keys() == expected_kfac.keys()
+    for module, (a, g) in expected_kfac.items():
+        torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
+
+
+def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int = 0
+              ) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """KFAC "expand" factors of every Linear with a trainable weight whose output reaches the
+    loss, one plain backward per sample (the convention of ``per_sample_hooks.curvature``:
+    ``A = 1/(N T) sum a a^T`` with a 1 appended for a trainable bias, ``G = 1/N sum x x^T``
+    with ``x = dl_i/dz``; several calls add positions; ``loss_type="sum"`` drops the ``1/N`` of
+    ``G`` only)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    sums = {m: [0.0, 0.0, 0] for m in linears}  # A sum, G sum, positions
+    records: list[tuple[nn.Module, torch.Tensor, list]] = []
+
+    def hook(module, args, output):
+        a = args[0].reshape(-1, module.in_features)
+        if module.bias is not None and module.bias.requires_grad:
+            a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
+        output = output.clone()
+        grads: list = []
+        output.register_hook(grads.append)
+        records.append((module, a, grads))
+        return output
+
+    handles = [m.register_forward_hook(hook) for m in linears]
+    batch = x.shape[batch_dim]
+    try:
+        for i in range(batch):
+            records.clear()
+            weighted_square(model(x.narrow(batch_dim, i, 1))).sum().backward()
+            for module, a, grads in records:
+                if not grads:
+                    continue
+                g = grads[0].reshape(-1, module.out_features)
+                sums[module][0] = sums[module][0] + a.T @ a
+                sums[module][1] = sums[module][1] + g.T @ g
+                sums[module][2] += len(a)
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    scale = batch if loss_type == "mean" else 1
+    return {m: (a / t, g / scale) for m, (a, g, t) in sums.items() if t}
 
 
 common = dict(batch=st.integers(1, 4), loss_type=st.sampled_from(["mean", "sum"]),
@@ -233,3 +355,12 @@ def test_fuzz_recurrent(spec, data, batch, loss_type, max_norm, seed):
     else:
         check_everything(model, torch.randn(length, batch, features), loss_type, max_norm,
                          batch_dim=1)
+
+
+@FUZZ
+@given(spec=token_models(), data=st.data(), **common)
+def test_fuzz_tokens(spec, data, batch, loss_type, max_norm, seed):
+    model, vocabulary, length = spec
+    torch.manual_seed(seed)
+    freeze_some(data.draw, model)
+    check_everything(model, torch.randint(0, vocabulary, (batch, length)), loss_type, max_norm)
