@@ -33,15 +33,20 @@ MAX_BLOCKS = 4
 Measured (1 thread, rows ``[128, f]``): f = 784: 2.3 ms against 3.6 ms for the full product,
 f = 512: 0.70 ms against 1.14 ms (the mirror's transposed copies cost about a third of the
 saving)."""
+MIN_ROWS = 96
+"""Fewest rows for which the triangle pays: the mirror's transposed copy costs about as much
+per element as a product over 64 rows (measured: ``[64, 9216]``, the seed-001 CNN's fc1, gains
+nothing; ``[128, 512]`` gains 40%)."""
 MIRROR_TILE = 256
 """Columns of the lower triangle copied at once by :func:`mirror_upper`."""
 
 
-def block_bounds(features: int) -> list[int]:
-    """Column block bounds ``[0, s_1, ..., features]`` of a symmetric product: one block below
-    ``2 * MIN_BLOCK`` features, else at most ``MAX_BLOCKS`` blocks of at least ``MIN_BLOCK``.
-    Only the upper block triangle is multiplied: ``(k+1)/(2k)`` of the work for ``k`` blocks."""
-    if features < 2 * MIN_BLOCK:
+def block_bounds(features: int, rows: int) -> list[int]:
+    """Column block bounds ``[0, s_1, ..., features]`` of a symmetric product of ``rows [m, f]``:
+    one block (the full product) below ``2 * MIN_BLOCK`` features or ``MIN_ROWS`` rows, else at
+    most ``MAX_BLOCKS`` blocks of at least ``MIN_BLOCK``. Only the upper block triangle is
+    multiplied: ``(k+1)/(2k)`` of the work for ``k`` blocks."""
+    if features < 2 * MIN_BLOCK or rows < MIN_ROWS:
         return [0, features]
     size = max(MIN_BLOCK, -(-features // MAX_BLOCKS))
     return [*range(0, features, size), features]
@@ -56,18 +61,17 @@ def matmul_into(out: Tensor, left: Tensor, right: Tensor, alpha: float, beta: fl
         torch.baddbmm(out, left, right, beta=beta, alpha=alpha, out=out)
 
 
-def add_upper_gram(out: Tensor, rows: Tensor, ones: float | None, alpha: float, beta: float
-                   ) -> None:
+def add_upper_gram(out: Tensor, rows: Tensor, bounds: Sequence[int], ones: float | None,
+                   alpha: float, beta: float) -> None:
     """Upper block triangle of ``out = beta * out + alpha * [rows, ones]^T [rows, ones]``.
 
     ``rows [(Gr,) m, f]``, ``out [(Gr,) F, F]`` with ``F = f + 1`` when ``ones`` is given
     (the homogeneous coordinate of a bias: value ``ones`` on every row, never materialized:
     its column is the column sums, its corner ``m * ones^2``), else ``F = f``. Blocks below
-    the diagonal (see :func:`block_bounds`) are left as they were; :func:`mirror_upper`
-    fills them.
+    the diagonal of the column blocks ``bounds`` (:func:`block_bounds`, the same for every
+    product into ``out``) are left as they were; :func:`mirror_upper` fills them.
     """
     features = rows.shape[-1]
-    bounds = block_bounds(features)
     for start, stop in zip(bounds, bounds[1:]):
         matmul_into(out[..., start:stop, start:features], rows[..., start:stop].mT,
                     rows[..., start:], alpha, beta)
@@ -83,10 +87,9 @@ def add_upper_gram(out: Tensor, rows: Tensor, ones: float | None, alpha: float, 
             corner.add_(value)
 
 
-def mirror_upper(out: Tensor, features: int) -> Tensor:
-    """Copy the upper block triangle written by :func:`add_upper_gram` (``features`` columns
-    of rows) onto the lower one: ``out [(Gr,) F, F]`` symmetric, returned."""
-    bounds = block_bounds(features)
+def mirror_upper(out: Tensor, bounds: Sequence[int]) -> Tensor:
+    """Copy the upper block triangle written by :func:`add_upper_gram` (column blocks
+    ``bounds``) onto the lower one: ``out [(Gr,) F, F]`` symmetric, returned."""
     size = out.shape[-1]
     for start, stop in zip(bounds, bounds[1:]):
         for column in range(stop, size, MIRROR_TILE):  # tiles: transposed copies stay cached
@@ -159,7 +162,7 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
     is multiplied, then mirrored; the bias coordinate is never materialized. ``owner``: see
     :func:`new_factor`.
     """
-    acc, rows, beta = None, None, 0.0
+    acc, bounds, beta = None, [], 0.0
     for parts in chunks:
         positions = sum(x.shape[2] for x in parts)
         denominator = batch * positions * (positions if approx == "reduce" else 1)
@@ -172,9 +175,10 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
         for rows, coordinate in terms:
             if acc is None:
                 acc = new_factor(rows, rows.shape[-1], ones, owner, "A")
-            add_upper_gram(acc, rows, coordinate if ones else None, alpha, beta)
+                bounds = block_bounds(rows.shape[-1], rows.shape[-2])
+            add_upper_gram(acc, rows, bounds, coordinate if ones else None, alpha, beta)
             beta = 1.0
-    return as_grouped(mirror_upper(acc, rows.shape[-1]), rows)
+    return as_grouped(mirror_upper(acc, bounds), rows)
 
 
 def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Approx,
@@ -182,7 +186,7 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
     """``G [Gr, dg, dg]`` from captured output gradients: one list per backward pass, one
     ``[B, Gr, T_c, p]`` tensor per call; ``scale`` goes into the products. ``owner``: see
     :func:`new_factor`."""
-    acc, rows, beta = None, None, 0.0
+    acc, bounds, beta = None, [], 0.0
     for parts in passes:
         if approx == "expand":
             terms = [sample_rows(g) for g in parts]
@@ -192,9 +196,10 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
         for rows in terms:
             if acc is None:
                 acc = new_factor(rows, rows.shape[-1], False, owner, "G")
-            add_upper_gram(acc, rows, None, scale, beta)
+                bounds = block_bounds(rows.shape[-1], rows.shape[-2])
+            add_upper_gram(acc, rows, bounds, None, scale, beta)
             beta = 1.0
-    return as_grouped(mirror_upper(acc, rows.shape[-1]), rows)
+    return as_grouped(mirror_upper(acc, bounds), rows)
 
 
 def check_approx(approx: str, caller: str) -> None:
