@@ -216,6 +216,35 @@ def test_documented_accumulation_pattern_equals_the_concatenated_batch():
     assert_same(got, expected)
 
 
+def test_documented_accumulation_of_norms_and_clipped_sums():
+    """DP with micro-batches: compute_norms per micro-batch, concatenated, are the norms of the
+    whole batch; clip_grads(loss_type="sum") per micro-batch, summed by the user and divided by
+    the whole batch size, is clip_grads of the whole batch (mean)."""
+    model = mlp()
+    x = torch.randn(7, 5, dtype=torch.float64)
+    with psh.add_hooks(model):
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(x)).mean().backward()
+        whole_norms = psh.compute_norms(model)
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(x)).mean().backward()
+        psh.clip_grads(model, 0.05)
+        whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norms, summed = [], {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        for chunk in x.split([3, 3, 1]):
+            model.zero_grad(set_to_none=True)
+            weighted_square(model(chunk)).sum().backward()
+            norms.append(psh.compute_norms(model, loss_type="sum"))
+            model.zero_grad(set_to_none=True)
+            weighted_square(model(chunk)).sum().backward()
+            psh.clip_grads(model, 0.05, loss_type="sum")
+            for n, p in model.named_parameters():
+                summed[n] += p.grad
+    assert bool((whole_norms > 0.05).any())
+    torch.testing.assert_close(torch.cat(norms), whole_norms, rtol=1e-9, atol=1e-12)
+    assert_same({n: g / len(x) for n, g in summed.items()}, whole)
+
+
 def test_clear_backprops_between_micro_batches_keeps_only_the_last():
     model = mlp()
     x = torch.randn(4, 5, dtype=torch.float64)
