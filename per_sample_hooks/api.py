@@ -25,6 +25,15 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
 
 
+def _frozen_parent(module: nn.Module) -> bool:
+    """Frozen parameters of its own and trainable ones below: its forward may use the children's
+    weights directly (``nn.MultiheadAttention`` with a frozen ``in_proj_weight`` still uses
+    ``out_proj.weight`` functionally), so it is a fallback unit like any module with
+    trainable parameters of its own."""
+    own = any(p is not None for p in module._parameters.values())
+    return own and any(p.requires_grad for p in module.parameters())
+
+
 def _owned(state: HookState, module: nn.Module) -> dict[str, nn.Parameter]:
     """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too)."""
     return unit_parameters(module) if module in state.units else _trainable(module)
@@ -110,12 +119,13 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         rule = None if module in forced else registry.lookup(module)
         has_parameters = next(module.parameters(recurse=False), None) is not None
         if rule is None:
-            if not (_trainable(module) or module in forced):
+            if not (_trainable(module) or module in forced or _frozen_parent(module)):
                 continue
             if not fallback:
+                trainable = [n for n, p in module.named_parameters() if p.requires_grad]
                 raise UnsupportedModuleError(
                     f"module '{label}' of type {type(module).__name__} has trainable "
-                    f"parameters ({', '.join(_trainable(module))}) but no per-sample rule, and "
+                    f"parameters ({', '.join(trainable)}) but no per-sample rule, and "
                     "the fallback is off: register one with @per_sample_hooks.register_rule("
                     f"{type(module).__name__}), freeze its parameters, or use "
                     "add_hooks(model, fallback=True)")

@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
 
 import per_sample_hooks as psh
@@ -327,3 +328,31 @@ def test_batch_dim_mapping_nearest_entry_wins():
         psh.remove_hooks(model)
     with pytest.raises(ValueError, match="'nope'"):
         psh.add_hooks(model, batch_dim={"nope": 1})
+
+
+class AttentionThenHead(nn.Module):
+    """MultiheadAttention (its forward uses ``out_proj.weight`` functionally) and a Linear."""
+
+    def __init__(self, freeze_in_proj: bool):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
+        if freeze_in_proj:
+            self.att.in_proj_weight.requires_grad_(False)
+            self.att.in_proj_bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.att(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("freeze_in_proj", [False, True])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+def test_attention_norms_and_clipping(freeze_in_proj, loss_type):
+    """Norms and clipping of a fallback unit (qualified parameter names such as
+    'out_proj.weight'); with in_proj frozen the attention is still one unit (out_proj is used
+    outside its own forward), not a Linear rule that would miss that use."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4)
+    assert_matches_loop(AttentionThenHead(freeze_in_proj), [x], loss_type=loss_type)
+    assert_norms_match(AttentionThenHead(freeze_in_proj), [x], loss_type=loss_type)
+    assert_clipping_matches(AttentionThenHead(freeze_in_proj), [x], 0.5, loss_type=loss_type)

@@ -36,7 +36,7 @@ class KeptGrads:
 
     def reserve(self, module: nn.Module, name: str, batch: int) -> Tensor | None:
         """A ``[batch, *param.shape]`` buffer to fill, or None when over the budget."""
-        param = module._parameters[name]
+        param = module.get_parameter(name)
         size = batch * param.numel()
         if size > self.budget:
             return None
@@ -86,7 +86,7 @@ class Rule:
         result = {}
         batch = self.batch_size(module, calls[0])
         for name in names:
-            param = module._parameters[name]
+            param = module.get_parameter(name)
             kept = keep.reserve(module, name, batch) if keep is not None else None
             per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
             self.grad1(module, calls, 1.0, {name: per_sample})
@@ -110,7 +110,7 @@ class Rule:
         for name, target in out.items():
             per_sample = keep.get(module, name) if keep is not None else None
             if per_sample is None:
-                param = module._parameters[name]
+                param = module.get_parameter(name)
                 per_sample = param.new_empty((len(weights), *param.shape))
                 self.grad1(module, calls, 1.0, {name: per_sample})
             contract_samples(target, per_sample, weights)
