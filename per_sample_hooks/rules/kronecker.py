@@ -98,12 +98,17 @@ def mirror_upper(out: Tensor, bounds: Sequence[int]) -> Tensor:
     return out
 
 
-def sample_rows(x: Tensor) -> Tensor:
-    """``[n, Gr, T, f] -> [(Gr,) n*T, f]`` (no group dim when ``Gr = 1``): a view when
-    possible, else one copy."""
+def sample_rows(x: Tensor) -> list[Tensor]:
+    """``[n, Gr, T, f]`` as matrices of rows ``[(Gr,) m, f]`` (no group dim when ``Gr = 1``)
+    whose second moments add up to the whole: one ``[(Gr,) n*T, f]`` view when the layout
+    allows, else one view ``[(Gr,) T, f]`` per sample (conv patches and output gradients are
+    transposed views: no copy of them is made)."""
     n, groups, positions, features = x.shape
-    rows = x.transpose(0, 1).reshape(groups, n * positions, features)
-    return rows[0] if groups == 1 else rows
+    try:
+        rows = [x.transpose(0, 1).view(groups, n * positions, features)]
+    except RuntimeError:
+        rows = list(x.unbind(0))
+    return [r[0] for r in rows] if groups == 1 else rows
 
 
 def squeeze_groups(x: Tensor) -> Tensor:
@@ -168,7 +173,7 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
         denominator = batch * positions * (positions if approx == "reduce" else 1)
         alpha = 1.0 / max(denominator, 1)
         if approx == "expand":
-            terms = [(sample_rows(x), 1.0) for x in parts]
+            terms = [(rows, 1.0) for x in parts for rows in sample_rows(x)]
         else:
             summed = parts[0].sum(2) if len(parts) == 1 else sum(x.sum(2) for x in parts)
             terms = [(squeeze_groups(summed), float(positions))]
@@ -189,7 +194,7 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
     acc, bounds, beta = None, [], 0.0
     for parts in passes:
         if approx == "expand":
-            terms = [sample_rows(g) for g in parts]
+            terms = [rows for g in parts for rows in sample_rows(g)]
         else:
             summed = parts[0].sum(2) if len(parts) == 1 else sum(g.sum(2) for g in parts)
             terms = [squeeze_groups(summed)]
