@@ -12,6 +12,12 @@ calls of one module are several parts whose positions add up. See
 
 with ``a`` the activations (a constant 1 appended when the layer has a trainable bias) and
 ``g`` the captured output gradients.
+
+Cost: only the upper block triangle of each ``rows^T rows`` is multiplied (``addmm`` /
+``baddbmm`` per column block, scalings folded into ``alpha``), then mirrored; the bias
+coordinate is never materialized (its row is the column sums); conv patches and output
+gradients, transposed views, are multiplied a sample at a time rather than copied; a factor's
+storage is reused at the next call for the same module once nobody holds the factor.
 """
 from __future__ import annotations
 
