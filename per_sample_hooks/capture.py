@@ -183,6 +183,8 @@ class HookState:
         self.backward_seen = False  # a captured output received a gradient in this step
         self.forward_after_backward: str | None = None  # first module called after a backward
         self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
+        # storage add-ons reuse across steps, per (module, purpose); opaque to capture
+        self.scratch: dict[tuple[nn.Module, str], dict[str, Tensor]] = {}
         self.handles: list[Any] = []
         self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
         self.unseen: Any = None  # the unseen-use check set by add_hooks; opaque to capture
@@ -254,6 +256,7 @@ class HookState:
         self.handles.clear()
         self.clear()
         self.buffers.clear()
+        self.scratch.clear()
         for module in self.modules:
             for p in module.parameters(recurse=module in self.units):
                 for attribute in ("grad1", "hess"):

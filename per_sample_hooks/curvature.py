@@ -257,14 +257,15 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     """
     check_approx(approx, "compute_kfac")
     _check_unsupported(unsupported, "compute_kfac")
-    step = prepare_step(model, loss_type, "compute_kfac")[1]
+    state, step = prepare_step(model, loss_type, "compute_kfac")
     factors = {}
     for layer in _curvature_layers(step):
         if "weight" not in layer.parameters and "weight" in layer.module._parameters:
             continue  # frozen weight
         try:
+            spare = state.scratch.setdefault((layer.module, "kfac"), {})
             factors[layer.module] = layer.rule.kfac(layer.module, layer.calls, step.scale,
-                                                    approx)
+                                                    approx, spare)
         except UnsupportedModuleError as error:
             _layer_error(layer, error, unsupported, "compute_kfac")
     return factors

@@ -7,7 +7,7 @@ loss, 1 for a sum loss), and knows nothing about hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -146,11 +146,12 @@ class Rule:
     # sums over passes; ``scale`` is the batch size (mean loss) or 1 (sum loss), so that
     # ``scale * captured`` is the per-sample quantity in the units of ``grad1``.
 
-    def kfac(self, module: nn.Module, calls: Sequence[Call], scale: float, approx: str
-             ) -> tuple[Tensor, Tensor]:
+    def kfac(self, module: nn.Module, calls: Sequence[Call], scale: float, approx: str,
+             spare: MutableMapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Kronecker factors ``(A, G)`` of the layer (see :mod:`per_sample_hooks.curvature`
-        for the layout and scaling contract). No default: a layer needs a matrix view of its
-        weight for Kronecker factors to make sense."""
+        for the layout and scaling contract). ``spare``: the caller's storage for this module,
+        kept across steps, from which factors nobody holds any more are reused. No default: a
+        layer needs a matrix view of its weight for Kronecker factors to make sense."""
         raise UnsupportedModuleError(
             f"Kronecker factors (kfac) are not available for {type(module).__name__}: its rule "
             f"{type(self).__name__} defines no kfac method (built in: Linear, Conv1d/2d/3d)")

@@ -24,7 +24,7 @@ measured faster: 3d convolutions with many input channels per group
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -256,7 +256,8 @@ class ConvRule(Rule):
         conv_weighted_sum(module, calls, weights, out)
 
     def kfac(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
-             approx: Approx) -> tuple[Tensor, Tensor]:
+             approx: Approx, spare: MutableMapping[str, Tensor] | None = None
+             ) -> tuple[Tensor, Tensor]:
         """``A [(G,) K(+1), K(+1)]`` from the patches (unfolded a chunk of samples at a time),
         ``G [(G,) Cout/G, Cout/G]``; the group dim only when ``groups > 1``."""
         ones = module.bias is not None and module.bias.requires_grad
@@ -266,10 +267,10 @@ class ConvRule(Rule):
         per_sample = module.groups * positions * module.weight[0].numel()
         chunks = ([conv_patches(module, x[start:stop]) for x in inputs]
                   for start, stop in sample_chunks(batch, per_sample))
-        a = input_factor(chunks, batch, ones, approx, module)
+        a = input_factor(chunks, batch, ones, approx, spare)
         passes = [[conv_output_grads(module, c.backprop()) for c in pass_calls]
                   for pass_calls in split_passes(calls)]
-        g = output_factor(passes, scale, approx, module)
+        g = output_factor(passes, scale, approx, spare)
         return (a[0], g[0]) if module.groups == 1 else (a, g)
 
     def hess(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,

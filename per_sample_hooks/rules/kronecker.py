@@ -21,9 +21,8 @@ storage is reused at the next call for the same module once nobody holds the fac
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from typing import Literal
-from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
@@ -123,11 +122,6 @@ def squeeze_groups(x: Tensor) -> Tensor:
     return x[:, 0] if x.shape[1] == 1 else x.transpose(0, 1)
 
 
-_spare_factors: WeakKeyDictionary = WeakKeyDictionary()
-"""``{owner (a module): {kind: factor}}``: the storage of the factors returned last time, to be
-written again once nobody holds them (see :func:`new_factor`). Entries die with the module."""
-
-
 def only_cached(buffer: Tensor) -> bool:
     """Whether nothing but the cache (no tensor, view or storage object elsewhere) holds
     ``buffer``'s storage; False when the count is not available."""
@@ -137,21 +131,21 @@ def only_cached(buffer: Tensor) -> bool:
     return count(buffer.untyped_storage()._cdata) <= 2  # the cached tensor + this query's
 
 
-def new_factor(like: Tensor, features: int, ones: bool, owner: Hashable | None = None,
-               kind: str = "") -> Tensor:
+def new_factor(like: Tensor, features: int, ones: bool,
+               spare: MutableMapping[str, Tensor] | None = None, kind: str = "") -> Tensor:
     """Uninitialized ``[(Gr,) F, F]`` for rows ``like [(Gr,) m, features]``,
     ``F = features (+1)``.
 
-    With an ``owner`` (weakly referenced), the storage of the factor returned for
-    ``(owner, kind)`` last time is reused when nobody holds it any more: a fresh 340 MB factor
-    (the seed-001 CNN's fc1) costs about 150 ms of page faults, more than its product. A
+    With ``spare`` (the caller's storage for one module, kept across steps), the storage of the
+    factor returned for ``kind`` last time is reused when nobody holds it any more: a fresh
+    340 MB factor (the seed-001 CNN's fc1) costs about 150 ms of page faults, more than its
+    product. A
     factor the caller still holds is never overwritten (a fresh one is made instead).
     """
     size = features + int(ones)
     shape = (*like.shape[:-2], size, size)
-    if owner is None:
+    if spare is None:
         return like.new_empty(shape)
-    spare = _spare_factors.setdefault(owner, {})
     buffer = spare.get(kind)
     if (buffer is None or buffer.shape != shape or buffer.dtype != like.dtype
             or buffer.device != like.device or not only_cached(buffer)):
@@ -165,13 +159,13 @@ def as_grouped(factor: Tensor, rows: Tensor) -> Tensor:
 
 
 def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, approx: Approx,
-                 owner: Hashable | None = None) -> Tensor:
+                 spare: MutableMapping[str, Tensor] | None = None) -> Tensor:
     """``A [Gr, da, da]`` from activations given a chunk of samples at a time.
 
     Each chunk lists one ``[n, Gr, T_c, f]`` tensor per call (the same samples); the chunks
     cover the batch of ``batch`` samples once. Positions of all calls count together. The
     ``1/(N T)`` (``1/(N T^2)``) scaling goes into the products; only the upper block triangle
-    is multiplied, then mirrored; the bias coordinate is never materialized. ``owner``: see
+    is multiplied, then mirrored; the bias coordinate is never materialized. ``spare``: see
     :func:`new_factor`.
     """
     acc, bounds, beta = None, [], 0.0
@@ -186,7 +180,7 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
             terms = [(squeeze_groups(summed), float(positions))]
         for rows, coordinate in terms:
             if acc is None:
-                acc = new_factor(rows, rows.shape[-1], ones, owner, "A")
+                acc = new_factor(rows, rows.shape[-1], ones, spare, "A")
                 bounds = block_bounds(rows.shape[-1], rows.shape[-2])
             add_upper_gram(acc, rows, bounds, coordinate if ones else None, alpha, beta)
             beta = 1.0
@@ -194,9 +188,9 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
 
 
 def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Approx,
-                  owner: Hashable | None = None) -> Tensor:
+                  spare: MutableMapping[str, Tensor] | None = None) -> Tensor:
     """``G [Gr, dg, dg]`` from captured output gradients: one list per backward pass, one
-    ``[B, Gr, T_c, p]`` tensor per call; ``scale`` goes into the products. ``owner``: see
+    ``[B, Gr, T_c, p]`` tensor per call; ``scale`` goes into the products. ``spare``: see
     :func:`new_factor`."""
     acc, bounds, beta = None, [], 0.0
     for parts in passes:
@@ -207,7 +201,7 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
             terms = [squeeze_groups(summed)]
         for rows in terms:
             if acc is None:
-                acc = new_factor(rows, rows.shape[-1], False, owner, "G")
+                acc = new_factor(rows, rows.shape[-1], False, spare, "G")
                 bounds = block_bounds(rows.shape[-1], rows.shape[-2])
             add_upper_gram(acc, rows, bounds, None, scale, beta)
             beta = 1.0

@@ -5,7 +5,7 @@ per-sample weight gradient ``G_b^T A_b`` (``[B, p, d]``), bias ``G_b.sum(T)``.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -167,15 +167,15 @@ class LinearRule(Rule):
 
     # ---------------------------------------------------------------- curvature
 
-    def kfac(self, module: nn.Linear, calls: Sequence[Call], scale: float, approx: Approx
-             ) -> tuple[Tensor, Tensor]:
+    def kfac(self, module: nn.Linear, calls: Sequence[Call], scale: float, approx: Approx,
+             spare: MutableMapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``A [d(+1), d(+1)]``, ``G [p, p]``; leading dims are positions (see ``kronecker``)."""
         ones = module.bias is not None and module.bias.requires_grad
         acts = [flatten_positions(c.activation()).unsqueeze(1) for c in calls]
         passes = [[flatten_positions(c.backprop()).unsqueeze(1) for c in pass_calls]
                   for pass_calls in split_passes(calls)]
-        a = input_factor([acts], acts[0].shape[0], ones, approx, module)
-        return a[0], output_factor(passes, scale, approx, module)[0]
+        a = input_factor([acts], acts[0].shape[0], ones, approx, spare)
+        return a[0], output_factor(passes, scale, approx, spare)[0]
 
     def hess(self, module: nn.Linear, calls: Sequence[Call], scale: float,
              params: Mapping[str, Tensor]) -> dict[str, Tensor]:
