@@ -99,13 +99,21 @@ def all_reduce_weighted_mean(tensors: Iterable[Tensor], weight: float,
     samples held per rank."""
     _check_initialized("all_reduce_weighted_mean")
     tensors = list(tensors)
-    dtype = tensors[0].dtype if tensors else torch.float32
+    return sum_across_ranks(tensors, weight, float(weight), divide=True, group=group)
+
+
+def sum_across_ranks(tensors: list[Tensor], weight: float, count: float, divide: bool,
+                     group: dist.ProcessGroup | None = None) -> float:
+    """One all-reduce, in place: every tensor becomes the sum over ranks of ``weight * t``,
+    divided by the summed ``count`` when ``divide`` (and that sum is positive). Returns the
+    summed ``count``."""
+    dtype = tensors[0].dtype if tensors else torch.float64
     device = tensors[0].device if tensors else torch.device("cpu")
     flat = torch.cat([t.reshape(-1).to(dtype) * weight for t in tensors]
-                     + [torch.tensor([float(weight)], dtype=dtype, device=device)])
+                     + [torch.tensor([count], dtype=dtype, device=device)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     total = float(flat[-1])
-    if total > 0:
+    if divide and total > 0:
         flat[:-1].div_(total)
     offset = 0
     for t in tensors:
@@ -136,20 +144,10 @@ def reduce_clipped(grads: list[Tensor], local_batch: int, loss_type: LossType,
     """In place on every rank, one all-reduce: each rank's clipped mean (``loss_type="mean"``,
     weighted by ``local_batch``) or clipped sum becomes the global one. Returns the global batch
     size. A rank with an empty batch passes zero gradients and ``local_batch=0``."""
-    weight = float(local_batch) if loss_type == "mean" else 1.0
-    dtype = grads[0].dtype if grads else torch.float64
-    device = grads[0].device if grads else torch.device("cpu")
-    flat = torch.cat([g.reshape(-1).to(dtype) * weight for g in grads]
-                     + [torch.tensor([float(local_batch)], dtype=dtype, device=device)])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    total = int(round(float(flat[-1])))
-    if loss_type == "mean" and total > 0:
-        flat[:-1].div_(total)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return total
+    mean = loss_type == "mean"
+    total = sum_across_ranks(grads, float(local_batch) if mean else 1.0, float(local_batch),
+                             divide=mean, group=group)
+    return int(round(total))
 
 
 def trainable_grads(model: nn.Module) -> list[Tensor]:
