@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -222,16 +222,12 @@ class Step:
     scale: float
 
 
-def _cast_to_parameters(module: nn.Module, calls: list[Call]) -> None:
-    """Under ``torch.autocast`` a module sees and returns lower-precision tensors than its
-    parameters: compute per-sample quantities in the parameters' dtype (each record's
-    floating-point captures converted once; nothing to do when dtypes already agree)."""
-    p = next((p for p in module._parameters.values() if p is not None), None)
-    if p is None or not p.is_floating_point():
-        return
-    for call in calls:
-        if call.has_other_float_dtype(p.dtype):
-            call.cast_(p.dtype)
+def _parameter_dtype(module: nn.Module) -> torch.dtype | None:
+    """The floating-point dtype of ``module``'s first own parameter, if any."""
+    for p in module._parameters.values():
+        if p is not None:
+            return p.dtype if p.is_floating_point() else None
+    return None
 
 
 def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
@@ -251,6 +247,8 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
     for module, name, calls in state.hooked_calls():
         rule = state.rules[module]
         rule.check(module, calls, name)
+        dtype = _parameter_dtype(module)
+        with_grads = []
         for call in calls:
             changed = call.modified_inputs()
             if changed:
@@ -259,10 +257,14 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
                     "was modified in place after its forward; per-sample gradients would use "
                     "the modified values. Avoid the in-place op (e.g. inplace=False) or clone "
                     "the input")
-        with_grads = [c for c in calls if c.has_grads]
-        _cast_to_parameters(module, with_grads)
-        for call in with_grads:
+            if not call.has_grads:
+                continue
+            # under torch.autocast a module sees lower-precision tensors than its parameters:
+            # compute per-sample quantities in the parameters' dtype (captures converted once)
+            if dtype is not None and call.has_other_float_dtype(dtype):
+                call.cast_(dtype)
             sizes.setdefault(rule.batch_size(module, call), name)
+            with_grads.append(call)
         layers.append(LayerWork(module, name, rule, with_grads, _owned(state, module)))
     if not sizes:
         raise PerSampleHooksError(
@@ -280,12 +282,6 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
     return state, Step(layers, batch_size, scale)
 
 
-def _parameter_buffers(state: HookState, layer: LayerWork, batch_size: int
-                       ) -> Iterator[tuple[str, nn.Parameter, Tensor]]:
-    for name, p in layer.parameters.items():
-        yield name, p, state.buffer(layer.module, name, batch_size, p)
-
-
 @torch.no_grad()
 def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     """Set ``p.grad1`` (``[B, *p.shape]``) on every trainable parameter of hooked modules.
@@ -299,10 +295,9 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     projections = UnseenProjections(state)
     empty = step.batch_size == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
-        out = {}
-        for name, _, buf in _parameter_buffers(state, layer, step.batch_size):
-            out[name] = buf
-        _drop_frozen_grad1(state, layer.module)
+        out = {name: state.buffer(layer.module, name, step.batch_size, p)
+               for name, p in layer.parameters.items()}
+        _drop_frozen_grad1(state, layer)
         if not out:
             continue
         if not empty:
@@ -322,37 +317,44 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     projections.verify()
 
 
-def _drop_frozen_grad1(state: HookState, module: nn.Module) -> None:
+def _drop_frozen_grad1(state: HookState, layer: LayerWork) -> None:
     """Parameters frozen since an earlier step lose their ``grad1``."""
-    params = module.parameters(recurse=module in state.units)
+    module = layer.module
+    if module in state.units:
+        params = list(module.parameters())
+    else:
+        params = [p for p in module._parameters.values() if p is not None]
+    if len(params) == len(layer.parameters):
+        return  # all trainable
     for p in params:
         if not p.requires_grad and hasattr(p, "grad1"):
             del p.grad1
 
 
 class UnseenProjections:
-    """Collects, layer by layer, the rules' projections for the unseen-use check of one step."""
+    """Collects, layer by layer, the rules' projections for the unseen-use check of one step
+    (keyed by ``id(parameter)``, as the check's tables are)."""
 
     def __init__(self, state: HookState):
         self.check = state.unseen
-        self.hooked: dict[nn.Parameter, tuple[Tensor, Tensor]] = {}
-        self.users: dict[nn.Parameter, list[str]] = {}
+        self.hooked: dict[int, tuple[Tensor, Tensor]] = {}
+        self.users: dict[int, list[str]] = {}
 
     def add(self, layer: LayerWork, scale: float, out: Mapping[str, Tensor] | None) -> None:
         """Project ``layer``'s contributions (from ``out``, its per-sample gradients, if given)."""
         if self.check is None:
             return
         for p in layer.parameters.values():
-            self.users.setdefault(p, []).append(layer.name)
+            self.users.setdefault(id(p), []).append(layer.name)
         probes = self.check.probes_for(layer.parameters)
         if not probes or not layer.calls:
             return
         for n, (value, rounding) in layer.rule.probe(layer.module, layer.calls, probes, scale,
                                                      out).items():
-            p = layer.parameters[n]
-            if p in self.hooked:
-                value, rounding = value + self.hooked[p][0], rounding + self.hooked[p][1]
-            self.hooked[p] = (value, rounding)
+            key = id(layer.parameters[n])
+            if key in self.hooked:
+                value, rounding = value + self.hooked[key][0], rounding + self.hooked[key][1]
+            self.hooked[key] = (value, rounding)
 
     def verify(self) -> None:
         if self.check is not None:

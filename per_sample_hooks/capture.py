@@ -30,7 +30,8 @@ class Call:
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "__weakref__")
 
-    def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool):
+    def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
+                 compiling: bool = False):
         self.args = args
         self.kwargs = kwargs
         self.grads: list[list[Tensor]] = [[] for _ in range(n_outputs)]
@@ -38,8 +39,7 @@ class Call:
         self.training = training
         # Under torch.compile a traced ``_version`` is a constant of the trace, not the tensor's
         # live counter: in-place changes after the forward cannot be detected there.
-        compiling = torch.compiler.is_compiling()
-        self.versions = [a._version if isinstance(a, Tensor) and not compiling else None
+        self.versions = [None if compiling or not isinstance(a, Tensor) else a._version
                          for a in args]
 
     @property
@@ -114,12 +114,11 @@ def _isolated(leaf: object) -> object:
     return leaf.clone() if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
 
 
-def _inside_torch_func() -> bool:
+def _inside_torch_func(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
-    module's forward, or the user's own transforms) are not steps and are not recorded."""
-    if torch.compiler.is_compiling():  # dynamo traces the hook; the stack is its own business
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    module's forward, or the user's own transforms) are not steps and are not recorded. Under
+    ``torch.compile`` (``compiling``) dynamo traces the hook; the stack is its own business."""
+    return not compiling and torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None) -> None:
@@ -211,8 +210,10 @@ class HookState:
     def _make_forward_hook(self, owner: nn.Module, calls: list[Call], batch_dim: int, name: str
                            ) -> Callable:
         def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if not self.enabled or module is not owner or not torch.is_grad_enabled() \
-                    or _inside_torch_func():
+            if not self.enabled or module is not owner or not torch.is_grad_enabled():
+                return
+            compiling = torch.compiler.is_compiling()
+            if _inside_torch_func(compiling):
                 return
             if isinstance(output, Tensor):
                 if not output.requires_grad:
@@ -230,7 +231,7 @@ class HookState:
             elif self.backward_seen and self.forward_after_backward is None:
                 self.forward_after_backward = name  # a second micro-batch: refused by compute_*
             args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
-            call = Call(args, kwargs, len(leaves), batch_dim, module.training)
+            call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
             for grads, leaf in zip(call.grads, leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
                     capture_gradient(leaf, grads, self)

@@ -51,7 +51,7 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int]:
 def project(t: Tensor, probe: Probe) -> Tensor:
     """``u_k^T t v_k`` for ``t [..., n0, n1]`` and each probe ``k``: ``[..., N_PROBES]``."""
     u, v = probe
-    return (torch.matmul(v, t.transpose(-1, -2)) * u).sum(-1)
+    return torch.linalg.vecdot(torch.matmul(u, t), v)
 
 
 def project_gradient(grad: Tensor, probe: Probe) -> Tensor:
@@ -85,57 +85,119 @@ def relative_tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-1}.get(dtype, 0.5)
 
 
+class ProbeBank:
+    """Persistent storage of every parameter's probes: one flat buffer per (dtype, device) of
+    which each parameter's ``u [N_PROBES, n0]`` and ``v [N_PROBES, n1]`` are views, redrawn in
+    one call per step (a CPU generator; copied to the device when the parameters are not on
+    the CPU). Rebuilt when a parameter's dtype or device changes (``model.to(...)``).
+    ``views`` is keyed by ``id(parameter)``."""
+
+    def __init__(self, params: Sequence[Tensor], generator: torch.Generator):
+        self.params = list(params)
+        self.generator = generator
+        self.views: dict[int, Probe] = {}
+        self.layout: list[tuple[torch.dtype, torch.device]] = []
+        self.flats: list[tuple[Tensor, Tensor]] = []  # (device buffer, CPU staging buffer)
+
+    def _build(self) -> None:
+        self.layout = [(p.dtype, p.device) for p in self.params]
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for p, key in zip(self.params, self.layout):
+            n0, n1 = matrix_shape(p.shape)
+            sizes[key] = sizes.get(key, 0) + N_PROBES * (n0 + n1)
+        flats = {key: torch.empty(size, dtype=key[0], device=key[1])
+                 for key, size in sizes.items()}
+        self.flats = [(flat, flat if flat.device.type == "cpu" else
+                       torch.empty(flat.shape, dtype=flat.dtype)) for flat in flats.values()]
+        offsets = dict.fromkeys(sizes, 0)
+        self.views.clear()  # in place: hooks hold this dict
+        for p, key in zip(self.params, self.layout):
+            n0, n1 = matrix_shape(p.shape)
+            start, flat = offsets[key], flats[key]
+            middle, end = start + N_PROBES * n0, start + N_PROBES * (n0 + n1)
+            self.views[id(p)] = (flat[start:middle].view(N_PROBES, n0),
+                                 flat[middle:end].view(N_PROBES, n1))
+            offsets[key] = end
+
+    def draw(self) -> None:
+        """Fresh probes for every parameter."""
+        if any((p.dtype, p.device) != key for p, key in zip(self.params, self.layout)) \
+                or len(self.layout) != len(self.params):
+            self._build()
+        for flat, staging in self.flats:
+            staging.normal_(generator=self.generator)
+            if staging is not flat:
+                flat.copy_(staging, non_blocking=True)
+
+
 class UnseenUseCheck:
-    """Per-step totals of the probes for each hooked parameter; see the module docstring."""
+    """Per-step totals of the probes for each hooked parameter; see the module docstring.
+    Per-step tables are keyed by ``id(parameter)`` (hashing a tensor is a Python call)."""
 
     def __init__(self, state: HookState, owners: Mapping[nn.Parameter, str], seed: int = 0):
-        self.owners = owners  # parameter -> qualified name
-        self.generator = torch.Generator().manual_seed(seed)
-        self.probes: dict[nn.Parameter, Probe] = {}
-        self.totals: dict[nn.Parameter, Tensor] = {}
+        self.owners = {id(p): name for p, name in owners.items()}  # -> qualified name
+        self.params = {id(p): p for p in owners}
+        self.bank = ProbeBank(list(owners), torch.Generator().manual_seed(seed))
+        self.drawn = False  # this step's probes are drawn
+        self.totals: dict[int, Tensor] = {}
         self._state = state
         for p in owners:
-            state.handles.append(p.register_hook(self._total_hook(p)))
+            state.handles.append(p.register_hook(self._total_hook(id(p))))
         state.on_clear.append(self.reset)
 
     def reset(self) -> None:
-        self.probes.clear()
+        self.drawn = False
         self.totals.clear()
 
     def probe(self, p: Tensor) -> Probe:
-        """This step's probes for ``p``, drawn on first use."""
-        probe = self.probes.get(p)
-        if probe is None:
-            n0, n1 = matrix_shape(p.shape)
-            u = torch.randn(N_PROBES, n0, generator=self.generator)
-            v = torch.randn(N_PROBES, n1, generator=self.generator)
-            probe = self.probes[p] = (u.to(p.device, p.dtype), v.to(p.device, p.dtype))
-        return probe
+        """This step's probes for ``p`` (all parameters' drawn on the step's first use)."""
+        if not self.drawn:
+            self.bank.draw()
+            self.drawn = True
+        return self.bank.views[id(p)]
 
-    def _total_hook(self, p: nn.Parameter) -> Callable[[Tensor], None]:
+    def _total_hook(self, key: int) -> Callable[[Tensor], None]:
+        state, totals, views = self._state, self.totals, self.bank.views
+
         def hook(grad: Tensor) -> None:
-            if not self._state.enabled:
+            if not state.enabled:
                 return
-            value = project_gradient(grad.detach(), self.probe(p))
-            total = self.totals.get(p)
-            self.totals[p] = value if total is None else total + value
+            if not self.drawn:
+                self.bank.draw()
+                self.drawn = True
+            value = project_gradient(grad.detach(), views[key])
+            total = totals.get(key)
+            totals[key] = value if total is None else total + value
         return hook
 
-    def verify(self, hooked: Mapping[nn.Parameter, tuple[Tensor, Tensor]],
-               users: Mapping[nn.Parameter, Sequence[str]]) -> None:
+    def verify(self, hooked: Mapping[int, tuple[Tensor, Tensor]],
+               users: Mapping[int, Sequence[str]]) -> None:
         """Raise if a parameter's total differs from its hooked sum beyond rounding.
 
-        ``hooked[p]`` is (projection, rounding scale) summed over the modules that own ``p``,
-        whose names are ``users[p]``.
+        ``hooked[id(p)]`` is (projection, rounding scale) summed over the modules that own
+        ``p``, whose names are ``users[id(p)]``. All parameters of a dtype and device are
+        compared in one batch of operations; the rare failures are then confirmed one by one.
         """
-        for p, total in self.totals.items():
-            value, scale = hooked.get(p, (torch.zeros_like(total), torch.zeros_like(total)))
-            bound = relative_tolerance(p.dtype) * (total.abs() + scale)
-            gap = (total - value).abs()
-            if bool((gap > bound + torch.finfo(total.dtype).tiny).any()) \
-                    and not self.rounding_explains(p, total, bound, users.get(p, ())):
-                raise_unseen(self.owners[p], users.get(p, ()), float(
-                    (gap / (total.abs() + scale).clamp_min(torch.finfo(total.dtype).tiny)).max()))
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for key, total in self.totals.items():
+            groups.setdefault((total.dtype, total.device), []).append(key)
+        for (dtype, _), keys in groups.items():
+            totals = torch.stack([self.totals[key] for key in keys])
+            zero = torch.zeros_like(totals[0])
+            pairs = [hooked.get(key, (zero, zero)) for key in keys]
+            values = torch.stack([value for value, _ in pairs])
+            sizes = torch.stack([scale for _, scale in pairs]).add_(totals.abs())
+            gaps = torch.sub(totals, values).abs_()
+            bounds = sizes * relative_tolerance(dtype) + torch.finfo(dtype).tiny
+            failed = gaps > bounds
+            if not bool(failed.any()):
+                continue
+            for i in failed.any(1).nonzero().flatten().tolist():
+                key = keys[i]
+                if not self.rounding_explains(self.params[key], totals[i], bounds[i],
+                                              users.get(key, ())):
+                    fraction = gaps[i] / sizes[i].clamp_min(torch.finfo(dtype).tiny)
+                    raise_unseen(self.owners[key], users.get(key, ()), float(fraction.max()))
 
     def rounding_explains(self, p: nn.Parameter, total: Tensor, bound: Tensor,
                           users: Sequence[str]) -> bool:
@@ -189,7 +251,8 @@ class UnseenUseCheck:
 
     def probes_for(self, parameters: Mapping[str, nn.Parameter]) -> dict[str, Probe]:
         """Probes of those of ``parameters`` whose gradient was seen this step."""
-        return {n: self.probes[p] for n, p in parameters.items() if p in self.totals}
+        views, totals = self.bank.views, self.totals
+        return {n: views[id(p)] for n, p in parameters.items() if id(p) in totals}
 
 
 def rerun_projections(module: nn.Module, calls: Sequence, name: str, probe: Probe,

@@ -154,12 +154,13 @@ class LinearRule(Rule):
             grads = call.backprop()
             grads = grads.reshape(-1, grads.shape[-1])  # [B*T, p]
             for name, (u, v) in probes.items():
+                terms = torch.mm(grads, u.t())  # [B*T, N_PROBES]
                 if name == "weight":
                     acts = call.activation()
-                    terms = (u @ grads.t()) * (v @ acts.reshape(-1, acts.shape[-1]).t())
+                    terms.mul_(torch.mm(acts.reshape(-1, acts.shape[-1]), v.t()))
                 else:  # bias [p] seen as [p, 1]
-                    terms = (u @ grads.t()) * v
-                value, rounding = terms.sum(-1), terms.abs().sum(-1)
+                    terms.mul_(v.t())
+                value, rounding = terms.sum(0), torch.linalg.vector_norm(terms, 1, 0)
                 if name in result:
                     value, rounding = value + result[name][0], rounding + result[name][1]
                 result[name] = (value, rounding)
