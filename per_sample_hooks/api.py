@@ -361,6 +361,18 @@ class UnseenProjections:
             self.check.verify(self.hooked, self.users)
 
 
+def check_unseen_uses(state: HookState, step: Step) -> None:
+    """The unseen-use check of :mod:`per_sample_hooks.unseen` for a step whose per-sample
+    quantities are not materialized (norms, clipping, curvature): each rule's cheap probe of
+    its captured pairs. Raises before anything is written."""
+    if state.unseen is None:
+        return
+    projections = UnseenProjections(state)
+    for layer in step.layers:
+        projections.add(layer, step.scale, None)
+    projections.verify()
+
+
 def per_sample_parameters(model: nn.Module) -> Sequence[nn.Parameter]:
     """The parameters that receive ``grad1``: trainable parameters of hooked modules."""
     state = get_state(model)
@@ -373,5 +385,6 @@ def per_sample_parameters(model: nn.Module) -> Sequence[nn.Parameter]:
 __all__ = [
     "add_hooks", "remove_hooks", "disable_hooks", "enable_hooks", "is_supported",
     "clear_backprops", "compute_grad1", "per_sample_parameters", "prepare_step",
+    "check_unseen_uses",
     "LossType",
 ]

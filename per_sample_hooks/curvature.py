@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .api import LayerWork, LossType, Step, prepare_step
+from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .norms import _parameter_names
 from .rules.base import split_passes
@@ -230,8 +230,9 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     ordinary backward). Weight and bias get separate blocks. ``unsupported="skip"`` leaves out
     layers whose rule has no ``hess`` instead of raising."""
     _check_unsupported(unsupported, "compute_hess")
-    model_step = prepare_step(model, loss_type, "compute_hess")[1]
+    state, model_step = prepare_step(model, loss_type, "compute_hess")
     _parameter_names(model, model_step, "compute_hess")  # refuses parameters shared by modules
+    check_unseen_uses(state, model_step)
     for layer in _curvature_layers(model_step):
         try:
             blocks = layer.rule.hess(layer.module, layer.calls, model_step.scale,
@@ -258,6 +259,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     check_approx(approx, "compute_kfac")
     _check_unsupported(unsupported, "compute_kfac")
     state, step = prepare_step(model, loss_type, "compute_kfac")
+    check_unseen_uses(state, step)
     factors = {}
     for layer in _curvature_layers(step):
         if "weight" not in layer.parameters and "weight" in layer.module._parameters:
@@ -279,8 +281,9 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     diagonal of the mean loss. Names as in ``model.named_parameters()``. No per-sample
     gradients for one-position Linear layers (``(G^2)^T (A^2)``); others materialize one
     parameter at a time."""
-    step = prepare_step(model, loss_type, "compute_fisher_diag")[1]
+    state, step = prepare_step(model, loss_type, "compute_fisher_diag")
     names = _parameter_names(model, step, "compute_fisher_diag")
+    check_unseen_uses(state, step)
     result = {}
     for layer in step.layers:
         if not layer.calls:
@@ -331,8 +334,9 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     (``g_i`` as in ``grad1``; summed over captured passes). One-position Linear layers:
     ``(A A^T) * (G G^T)``; several positions: the ghost Gram where cheaper; other layers
     materialize one parameter at a time."""
-    step = prepare_step(model, loss_type, "compute_gram")[1]
+    state, step = prepare_step(model, loss_type, "compute_gram")
     _parameter_names(model, step, "compute_gram")
+    check_unseen_uses(state, step)
     total = None
     for layer in _curvature_layers(step):
         gram = layer.rule.gram(layer.module, layer.calls, step.scale, layer.parameters)

@@ -164,6 +164,11 @@ class DPSGD:
         self.accountant = make_accountant(accountant)
         self.generator = generator
         self.steps = 0
+        # backward() is an ordinary one until a step has clipped a non-empty batch after it:
+        # then the unseen-use check (per_sample_hooks.unseen) has seen every parameter's
+        # gradient once; the edge backward computes no parameter gradient to check against
+        self.checked = False
+        self._ordinary_backward = False
         self.output_edges = OutputEdges(model)
         self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
         if self.distributed:
@@ -191,11 +196,18 @@ class DPSGD:
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` without the parameter gradients, which :meth:`step` rebuilds
         clipped (about a third of the backward saved). ``loss.backward()`` works too.
-        Under DDP a plain ``loss.backward()`` (DDP's reducer expects every parameter's
-        gradient; its all-reduce is off)."""
-        if self.distributed:
+
+        Until the first step with samples, an ordinary ``loss.backward()``: its parameter
+        gradients let :func:`~per_sample_hooks.clip_grads` check that no parameter is used
+        outside its module's forward (a use the clipping cannot see; it raises). Later steps
+        skip them, so a use that appears only in later steps goes unnoticed: call
+        ``loss.backward()`` instead to check every step. Under DDP always a plain
+        ``loss.backward()`` (DDP's reducer expects every parameter's gradient; its all-reduce
+        is off)."""
+        if self.distributed or not self.checked:
             self.output_edges.clear()
             loss.backward()
+            self._ordinary_backward = True
             return
         self.output_edges.backward(loss)
 
@@ -220,6 +232,8 @@ class DPSGD:
         else:
             norms = clip_grads(self.model, self.max_grad_norm, self.loss_type)
             actual = len(norms)
+            self.checked = self.checked or (self._ordinary_backward and actual > 0)
+        self._ordinary_backward = False
         # clip_grads gives the clipped mean (mean loss) or sum; rescale to sum / expected size
         expected = self.batch_size * (dist.get_world_size() if self.distributed else 1)
         factor = (actual if self.loss_type == "mean" else 1) / expected

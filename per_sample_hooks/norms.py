@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .api import LayerWork, LossType, Step, prepare_step
+from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
 from .capture import HookState
 from .errors import PerSampleHooksError
 from .rules.base import KeptGrads
@@ -107,9 +107,10 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     path exists. With ``per_param=True``: ``{parameter name: [B]}``, names as in
     ``model.named_parameters()``. Raises if a norm is not finite, naming the samples.
     """
-    _, step = prepare_step(model, loss_type, "compute_norms")
+    state, step = prepare_step(model, loss_type, "compute_norms")
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
+    check_unseen_uses(state, step)
     squared = _per_parameter_squared(model, step, "compute_norms")
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "compute_norms")
@@ -197,6 +198,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
             for p in layer.parameters.values():
                 _grad_target(p).zero_()
         return _empty_batch_norms(model, step, per_param=False)
+    check_unseen_uses(state, step)
     keep = _kept_grads(state, step)
     squared = _per_parameter_squared(model, step, "clip_grads", keep)
     norms = _total(squared, step.batch_size)

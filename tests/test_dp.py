@@ -241,3 +241,40 @@ def test_digits_example_runs_one_epoch():
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "epoch  1  test accuracy" in result.stdout and "epsilon 2.3" in result.stdout
+
+
+class TiedOutput(nn.Module):
+    def __init__(self, unseen):
+        super().__init__()
+        self.unseen = unseen
+        self.emb = nn.Linear(6, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        y = self.out(h)
+        return y + (h @ self.emb.weight)[:, :3] if self.unseen else y
+
+
+@pytest.mark.parametrize("unseen", [False, True])
+def test_first_step_checks_unseen_uses_then_the_edge_backward_takes_over(unseen):
+    torch.manual_seed(0)
+    model = TiedOutput(unseen).double()
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+               max_grad_norm=1.0, dataset_size=64, batch_size=8, accountant=None,
+               generator=torch.Generator().manual_seed(0))
+    x = torch.randn(8, 6, dtype=torch.double)
+    edge_backwards = []
+    original = dp.output_edges.backward
+    dp.output_edges.backward = lambda loss: edge_backwards.append(1) or original(loss)
+    for step in range(3):
+        dp.zero_grad()
+        dp.backward(model(x).pow(2).sum(1).mean())
+        if unseen:
+            with pytest.raises(psh.PerSampleHooksError, match=r"'emb\.weight'"):
+                dp.step()
+            assert not dp.checked  # refused steps never switch to the edge backward
+            continue
+        dp.step()
+        assert dp.checked
+        assert len(edge_backwards) == step  # the first backward was an ordinary one

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
+from ..unseen import Probe
 from .base import (
     KeptGrads,
     Rule,
@@ -277,6 +278,44 @@ class ConvRule(Rule):
              params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Exact Gauss-Newton blocks from per-pass per-sample gradients."""
         return hess_from_grad1(self, module, calls, scale, params)
+
+    def probe(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
+              probes: Mapping[str, Probe], scale: float, out: Mapping[str, Tensor] | None = None
+              ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``u^T (sum_b grad_weight_b) v = sum_{b,t} (gy u)(patches v)``: the patches side is
+        the layer's own convolution with ``v`` as a kernel of ``N_PROBES`` output channels per
+        group; nothing is unfolded (about ``N_PROBES / Cout`` of the forward's cost)."""
+        return {name: conv_probe(module, calls, name, u, v) for name, (u, v) in probes.items()}
+
+
+def conv_probe(module: nn.modules.conv._ConvNd, calls: Sequence[Call], name: str, u: Tensor,
+               v: Tensor) -> tuple[Tensor, Tensor]:
+    """Projections, one per probe, of the batch-summed gradient of ``name`` (weight seen as
+    ``[Cout, K]``, bias as ``[Cout, 1]``) on probes ``u [n, Cout]``, ``v [n, K or 1]``, and its
+    rounding scale (the sum of the absolute terms)."""
+    groups, n = module.groups, u.shape[0]
+    value = rounding = None
+    for call in calls:
+        grad_output = call.backprop()
+        batch, channels = grad_output.shape[:2]
+        if name == "weight":
+            flat = grad_output.reshape(batch, groups, channels // groups, -1)  # [B, G, C, T]
+            per_group = u.view(n, groups, channels // groups).transpose(0, 1)  # [G, n, C]
+            terms = torch.matmul(per_group, flat)  # [B, G, n, T]
+            kernel = v.view(n, *module.weight.shape[1:])
+            if groups > 1:
+                kernel = kernel.repeat(groups, *([1] * (kernel.dim() - 1)))
+            projected = module._conv_forward(layer_input(call), kernel, None)  # [B, G*n, *So]
+            terms.mul_(projected.reshape(batch, groups, n, -1))
+            dims: tuple[int, ...] = (0, 1, 3)
+        else:
+            terms = torch.matmul(u, grad_output.reshape(batch, channels, -1))  # [B, n, T]
+            terms.mul_(v.view(1, n, 1))
+            dims = (0, 2)
+        call_value, call_rounding = terms.sum(dims), torch.linalg.vector_norm(terms, 1, dims)
+        value = call_value if value is None else value + call_value
+        rounding = call_rounding if rounding is None else rounding + call_rounding
+    return value, rounding
 
 
 def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,

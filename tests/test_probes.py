@@ -1,0 +1,129 @@
+"""The rules' probes for the unseen-use check equal the projection of autograd's own gradient
+(float64, tight), and every compute_* function refuses a parameter used outside its module."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import per_sample_hooks as psh
+from per_sample_hooks.unseen import matrix_shape, project_gradient
+
+
+def assert_probes_match_autograd(model, inputs, reuse=1):
+    """Hook ``model`` (float64), run ``reuse`` forwards into one loss, backward; each hooked
+    rule's probe of its calls equals the projection of ``p.grad`` on the same probes."""
+    model = model.double()
+    state = psh.add_hooks(model)
+    torch.manual_seed(1)
+    loss = sum((model(*inputs) * torch.randn_like(model(*inputs).detach())).sum()
+               for _ in range(reuse))
+    model.zero_grad()
+    loss.backward()
+    check = state.unseen
+    for module, (name, _) in state.modules.items():
+        calls = [c for c in state.calls[module] if c.has_grads]
+        params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        probes = {n: check.probe(p) for n, p in params.items()}
+        got = state.rules[module].probe(module, calls, probes, 1.0)
+        for n, p in params.items():
+            value, rounding = got[n]
+            expected = project_gradient(p.grad, probes[n])
+            assert p.grad.reshape(matrix_shape(p.shape)).abs().sum() > 0
+            torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12,
+                                       msg=f"{name}.{n}")
+            assert bool((rounding >= value.abs() * (1 - 1e-12)).all())
+    psh.remove_hooks(model)
+
+
+conv_types = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_conv_probe_matches_autograd(data):
+    dims = data.draw(st.sampled_from([1, 2, 3]))
+    groups = data.draw(st.sampled_from([1, 2, 4]))
+    cin = groups * data.draw(st.integers(1, 2))
+    cout = groups * data.draw(st.integers(1, 3))
+    kernel = data.draw(st.integers(1, 3))
+    padding = data.draw(st.sampled_from([0, 1, "same", "valid"]))
+    stride = 1 if padding == "same" else data.draw(st.integers(1, 2))
+    dilation = data.draw(st.integers(1, 2))
+    mode = data.draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+    if mode != "zeros" and padding in (0, "valid"):
+        mode = "zeros"
+    size = data.draw(st.integers(5, 7)) if dims < 3 else 5
+    conv = conv_types[dims](cin, cout, kernel, stride=stride, padding=padding,
+                            dilation=dilation, groups=groups, padding_mode=mode,
+                            bias=data.draw(st.booleans()))
+    x = torch.randn(3, cin, *([size] * dims), dtype=torch.double)
+    assert_probes_match_autograd(nn.Sequential(conv), [x], reuse=data.draw(st.integers(1, 2)))
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (4, 3, 5), (4, 2, 3, 5)])
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_linear_probe_matches_autograd(shape, reuse):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2, bias=False))
+    assert_probes_match_autograd(model, [torch.randn(*shape, dtype=torch.double)], reuse)
+
+
+class TiedClassifier(nn.Module):
+    """A conv feature extractor whose first kernel is also used functionally (unseen)."""
+
+    def __init__(self, unseen: bool):
+        super().__init__()
+        self.unseen = unseen
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        if self.unseen:
+            h = h + F.conv2d(x, self.conv.weight, padding=1)
+        return self.fc(h.flatten(1))
+
+
+def tied_step(unseen: bool, hess: bool = False):
+    torch.manual_seed(0)
+    model = TiedClassifier(unseen).double()
+    psh.add_hooks(model)
+    out = model(torch.randn(5, 1, 4, 4, dtype=torch.double))
+    if hess:
+        psh.backprop_hess(out, "CrossEntropy")
+    else:
+        F.cross_entropy(out, torch.tensor([0, 1, 2, 3, 0])).backward()
+    return model
+
+
+CHECKED = {
+    "compute_grad1": lambda m: psh.compute_grad1(m),
+    "compute_norms": lambda m: psh.compute_norms(m),
+    "clip_grads": lambda m: psh.clip_grads(m, max_norm=1.0),
+    "compute_fisher_diag": lambda m: psh.compute_fisher_diag(m),
+    "compute_grad_variance": lambda m: psh.compute_grad_variance(m),
+    "compute_gram": lambda m: psh.compute_gram(m),
+    "compute_kfac": lambda m: psh.compute_kfac(m),
+    "compute_hess": lambda m: psh.compute_hess(m),
+}
+
+
+@pytest.mark.parametrize("function", sorted(CHECKED))
+def test_every_function_refuses_an_unseen_use(function):
+    CHECKED[function](tied_step(unseen=False))  # no false alarm
+    model = tied_step(unseen=True)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.raises(psh.PerSampleHooksError, match=r"parameter 'conv\.weight' has a "
+                                                      r"gradient term that no hook sees"):
+        CHECKED[function](model)
+    for n, p in model.named_parameters():  # raised before anything was written
+        assert torch.equal(p.grad, grads[n])
+
+
+@pytest.mark.parametrize("function", ["compute_kfac", "compute_hess", "compute_fisher_diag"])
+def test_curvature_after_backprop_hess_refuses_an_unseen_use(function):
+    CHECKED[function](tied_step(unseen=False, hess=True))
+    with pytest.raises(psh.PerSampleHooksError, match=r"'conv\.weight'"):
+        CHECKED[function](tied_step(unseen=True, hess=True))
