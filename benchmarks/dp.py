@@ -96,7 +96,9 @@ class TokenMLP(nn.Module):
         self.head = nn.Linear(d, classes)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        # position ids per sample: a [T] input broadcast over the batch would mix the samples'
+        # gradients of the position table (hooks, Opacus and BackPACK all refuse it)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.embed(tokens) + self.positions(positions)
         return self.head(self.norm(self.blocks(x)).mean(1))
 

@@ -275,7 +275,9 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
-            "is not dimension 0")
+            "is not dimension 0. A module called without the batch dim whose output is "
+            "broadcast over the batch (position ids `pos_emb(torch.arange(T))`) mixes the "
+            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`")
     batch_size = next(iter(sizes))
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.consumed = True

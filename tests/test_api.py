@@ -383,3 +383,20 @@ def test_errors_leave_the_model_usable():
     torch.testing.assert_close(model[0].weight.grad1, expected["0.weight"])
     psh.remove_hooks(model)
 
+
+
+def test_position_ids_broadcast_over_the_batch_are_refused_with_the_fix():
+    class Positional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(7, 3), nn.Embedding(5, 3)
+
+        def forward(self, ids):
+            return (self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))).sum()
+
+    model = Positional()
+    psh.add_hooks(model)
+    model(torch.randint(7, (2, 5))).backward()
+    with pytest.raises(psh.PerSampleHooksError, match=r"2 \(at 'tokens'\), 5 \(at 'positions'\)"
+                                                      r".*arange\(T\)\.expand\(B, -1\)"):
+        psh.compute_grad1(model)
