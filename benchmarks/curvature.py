@@ -101,7 +101,7 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     plain = build()
     hooked = build()
     hooked.load_state_dict(plain.state_dict())
-    psh.add_hooks(hooked, check_unseen=False)
+    psh.add_hooks(hooked)
     x = torch.randn(batch, *shape)
     y = torch.randint(10, (batch,))
 
