@@ -24,8 +24,10 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
 
 Memory (``harness.peak_memory``): each (model, method) runs 3 steps in a fresh subprocess;
 ``peak MiB`` is the peak RSS during the steps above the RSS once model, data and wrappers are
-built and one plain step has run on a throwaway copy (so one-time costs of the process count
-for no method): what the steps add (activations, gradients, per-sample buffers, temporaries).
+built and one step of the same method has run on a throwaway copy of the model, then freed (so
+one-time costs of the process, such as the JIT kernels of each matrix shape, count for no
+method, while what a method keeps per model counts): what the steps add (activations,
+gradients, captured tensors, per-sample buffers, temporaries).
 Median of 3 children, each with ``MALLOC_MMAP_THRESHOLD_=65536`` (see ``CHILD_MALLOC``). The
 ratio is to ``plain``'s.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -258,9 +261,12 @@ def make_methods(case: str, only: str | None = None) -> dict[str, Callable[[], N
     """``{method: one step}`` on copies of the same model and batch (``only``: one method)."""
     model, x, y = make_case(case)
     methods = [only] if only else METHODS
-    if only:  # memory child: one plain step on a throwaway copy first, so that one-time costs
-        # of the process (autograd engine thread, kernel workspaces) count for no method
-        F.cross_entropy(copy.deepcopy(model)(x), y).backward()
+    if only:  # memory child: one step of the method on a throwaway copy first, so that
+        # one-time costs of the process (autograd engine thread, kernel workspaces and JIT
+        # kernels of each matrix shape the method uses) count for no method; what the method
+        # keeps per model (persistent buffers, hooks) is freed with the copy and counts
+        BUILDERS[only](copy.deepcopy(model), x, y)()
+        gc.collect()
     return {m: BUILDERS[m](copy.deepcopy(model), x, y) for m in methods}
 
 
@@ -272,7 +278,7 @@ when freed, so that their RSS follows the live tensors instead of glibc's heap h
 
 GOALS = [("psh norms", 1.3), ("psh norms outputs-bwd", 1.3), ("psh clip", 1.4),
          ("psh clip outputs-bwd", 1.4)]  # issue #4
-MEMORY_GOAL = ("psh clip", 1.2)
+MEMORY_GOALS = [("psh clip", 1.2), ("psh clip outputs-bwd", 1.2)]
 
 
 def run_case(case: str, methods: list[str], rounds: int, memory: bool, threads: int) -> None:
@@ -304,9 +310,10 @@ def run_case(case: str, methods: list[str], rounds: int, memory: bool, threads: 
     plain = results["plain"].median
     verdicts = [f"{m} {results[m].median / plain:.2f}x (<= {g}x)"
                 for m, g in GOALS if m in results]
-    if reports.get(MEMORY_GOAL[0]) is not None and reports.get("plain"):
-        ratio = reports[MEMORY_GOAL[0]] / reports["plain"]
-        verdicts.append(f"{MEMORY_GOAL[0]} memory {ratio:.2f}x (<= {MEMORY_GOAL[1]}x)")
+    for method, goal in MEMORY_GOALS:
+        if reports.get(method) is not None and reports.get("plain"):
+            ratio = reports[method] / reports["plain"]
+            verdicts.append(f"{method} memory {ratio:.2f}x (<= {goal}x)")
     print("goals: " + "; ".join(verdicts), flush=True)
 
 
