@@ -122,8 +122,9 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
 def native_and_fallback(model: nn.Module) -> tuple[list[str], list[str]]:
     state = psh.add_hooks(model)
     try:
-        native = sorted({type(m).__name__ for m in state.modules if m not in state.units})
-        units = sorted({type(m).__name__ for m in state.units})
+        fallback = {m for m in state.modules if isinstance(state.rules[m], psh.FallbackRule)}
+        native = sorted({type(m).__name__ for m in state.modules if m not in fallback})
+        units = sorted({type(m).__name__ for m in fallback})
     finally:
         psh.remove_hooks(model)
     return native, units

@@ -27,9 +27,9 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
 
 def _frozen_parent(module: nn.Module) -> bool:
     """Frozen parameters of its own and trainable ones below: its forward may use the children's
-    weights directly (``nn.MultiheadAttention`` with a frozen ``in_proj_weight`` still uses
-    ``out_proj.weight`` functionally), so it is a fallback unit like any module with
-    trainable parameters of its own."""
+    weights directly (as ``nn.MultiheadAttention`` with a frozen ``in_proj_weight`` still uses
+    ``out_proj.weight``; its rule covers that), so a module with no rule is a fallback unit like
+    any module with trainable parameters of its own."""
     own = any(p is not None for p in module._parameters.values())
     return own and any(p.requires_grad for p in module.parameters())
 
@@ -79,8 +79,10 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     A module with trainable parameters of its own and no rule is handled by the ``torch.func``
     fallback as one *unit* with everything below it (its children are not hooked separately:
     its forward may use their parameters directly, as ``nn.MultiheadAttention`` does with
-    ``out_proj``). ``units`` forces that treatment for given modules or qualified names (a
-    module whose forward uses a child's weight, e.g. a tied output layer ``h @ emb.weight.t()``).
+    ``out_proj``). A module whose rule has ``covers_children`` (``nn.MultiheadAttention``'s)
+    is a unit likewise, handled by that rule. ``units`` forces the fallback's treatment for
+    given modules or qualified names (a module whose forward uses a child's weight, e.g. a tied
+    output layer ``h @ emb.weight.t()``).
     With ``fallback=False`` such modules raise :class:`UnsupportedModuleError` instead.
 
     ``batch_dim``: where the batch is in the inputs and outputs of each module: an int for all,
@@ -132,6 +134,11 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             rule = fallback_rule
             unit_modules.add(module)
             inside.update(module.modules())
+        elif rule.covers_children:  # a unit with a rule of its own
+            inside.update(module.modules())
+            if next(module.parameters(), None) is None and not rule.observe_without_parameters:
+                continue
+            unit_modules.add(module)
         elif not (has_parameters or rule.observe_without_parameters):
             continue
         modules[module] = (label, dim_of(name, module))

@@ -1,5 +1,5 @@
 """Built-in rules, one file per layer family. Importing this package registers them."""
-from . import conv, conv_transpose, embedding, linear, normalization, recurrent  # noqa: F401
+from . import attention, conv, conv_transpose, embedding, linear, normalization, recurrent  # noqa: F401
 from .base import Rule, RuleRegistry, default_registry, register_rule
 
 __all__ = ["Rule", "RuleRegistry", "default_registry", "register_rule"]

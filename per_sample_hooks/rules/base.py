@@ -60,6 +60,13 @@ class Rule:
     #: BatchNorm's batch statistics, which mix samples for every layer below).
     observe_without_parameters: bool = False
 
+    #: :meth:`grad1` also writes the trainable parameters of the module's children, under
+    #: qualified names (``out_proj.weight``): for a forward that uses a child's weights without
+    #: calling the child (``nn.MultiheadAttention``). ``add_hooks`` then treats the module as a
+    #: unit, as it does fallback units: its descendants are not hooked, its parameters are
+    #: ``unit_parameters(module)`` and its outputs are isolated copies.
+    covers_children: bool = False
+
     def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
         """Write per-sample gradients into ``out[name]`` (shape ``[B, *param.shape]``).

@@ -1,0 +1,368 @@
+"""The native nn.MultiheadAttention rule against the float64 per-sample loop, every option."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from norms_truth import assert_clipping_matches, assert_norms_match
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, hooked_grads, weighted_square
+from per_sample_hooks.rules.attention import MultiheadAttentionRule
+from per_sample_hooks.rules.base import rerun_projection
+
+HEADS = "heads"  # a [B * heads, L, S] mask: sample i owns rows heads*i ... heads*i + heads - 1
+
+
+class Attention(nn.Module):
+    """MultiheadAttention then a Linear head; the loss may also see the attention weights."""
+
+    def __init__(self, embed=6, heads=2, **options):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(embed, heads, **options)
+        self.head = nn.Linear(embed, 2)
+
+    def forward(self, q, k, v, key_padding_mask=None, attn_mask=None, need_weights=True,
+                average=True, is_causal=False):
+        out, weights = self.attention(q, k, v, key_padding_mask=key_padding_mask,
+                                      attn_mask=attn_mask, need_weights=need_weights,
+                                      average_attn_weights=average, is_causal=is_causal)
+        return self.head(out), weights
+
+
+def attention_loss(dim, use_weights=True):
+    def loss_fn(output):
+        out, weights = output
+        loss = weighted_square(out.movedim(dim, 0))
+        return loss if weights is None or not use_weights else loss + weighted_square(weights)
+    return loss_fn
+
+
+def to_double(x):
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def sample(x, spec, i, heads):
+    if spec is None or not isinstance(x, torch.Tensor):
+        return x
+    if spec == HEADS:
+        return x[heads * i: heads * (i + 1)]
+    return x.narrow(spec, i, 1)
+
+
+def assert_matches(model, inputs, specs, loss_fn, loss_type="mean", heads=2, **hook_options):
+    """``compute_grad1`` against the float64 loop; input ``j``'s samples are at ``specs[j]``
+    (None: shared, HEADS: a per-sample block of rows). Also: attention handled by its rule."""
+    model = model.double()
+    inputs = [to_double(x) for x in inputs]
+    got = hooked_grads(model, inputs, loss_fn, loss_type, **hook_options)
+    batch = inputs[0].shape[specs[0]]
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert got.keys() == params.keys()
+    for i in range(batch):
+        one = [sample(x, s, i, heads) for x, s in zip(inputs, specs)]
+        grads = torch.autograd.grad(loss_fn(model(*one)).sum(), list(params.values()),
+                                    allow_unused=True)
+        for (n, p), g in zip(params.items(), grads):
+            g = torch.zeros_like(p) if g is None else g
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    return got
+
+
+def assert_native(model):
+    """Every MultiheadAttention is hooked with its rule, as a unit; out_proj is not hooked."""
+    state = psh.add_hooks(model)
+    try:
+        found = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        assert found
+        for m in found:
+            assert isinstance(state.rules[m], MultiheadAttentionRule)
+            assert m in state.units and m.out_proj not in state.modules
+    finally:
+        psh.remove_hooks(model)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_first=st.booleans(), batch=st.integers(1, 3), length=st.integers(1, 4),
+       source=st.integers(1, 4), kind=st.sampled_from(["self", "cross", "kv_dims"]),
+       bias=st.booleans(), add_bias_kv=st.booleans(), add_zero_attn=st.booleans(),
+       mask=st.sampled_from([None, "bool", "float", "bool3", "float3", "causal"]),
+       padding=st.sampled_from([None, "bool", "float"]), need_weights=st.booleans(),
+       use_weights=st.booleans(), average=st.booleans(),
+       loss_type=st.sampled_from(["mean", "sum"]))
+def test_every_option(batch_first, batch, length, source, kind, bias, add_bias_kv,
+                      add_zero_attn, mask, padding, need_weights, use_weights, average,
+                      loss_type):
+    torch.manual_seed(0)
+    heads, embed = 2, 6
+    kdim, vdim = (5, 3) if kind == "kv_dims" else (embed, embed)
+    if kind == "self":
+        source = length
+    model = Attention(embed, heads, batch_first=batch_first, kdim=kdim, vdim=vdim, bias=bias,
+                      add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+    dim = 0 if batch_first else 1
+
+    def shape(n, d):
+        return (batch, n, d) if batch_first else (n, batch, d)
+
+    q = torch.randn(shape(length, embed))
+    if kind == "self":
+        k = v = q
+    else:
+        k, v = torch.randn(shape(source, kdim)), torch.randn(shape(source, vdim))
+    attn_mask, is_causal = None, False
+    if mask in ("bool", "causal"):
+        attn_mask = torch.rand(length, source) < 0.3
+        if mask == "causal":
+            attn_mask = torch.ones(length, source, dtype=torch.bool).triu(1)
+            is_causal = True
+        attn_mask[:, 0] = False
+    elif mask == "float":
+        attn_mask = torch.randn(length, source)
+    elif mask == "bool3":
+        attn_mask = torch.rand(batch * heads, length, source) < 0.3
+        attn_mask[..., 0] = False
+    elif mask == "float3":
+        attn_mask = torch.randn(batch * heads, length, source)
+    key_padding_mask = None
+    if padding == "bool":
+        key_padding_mask = torch.rand(batch, source) < 0.3
+        key_padding_mask[:, 0] = False
+    elif padding == "float":
+        key_padding_mask = torch.randn(batch, source)
+    inputs = [q, k, v, key_padding_mask, attn_mask, need_weights, average, is_causal]
+    specs = [dim, dim, dim, 0, HEADS if mask in ("bool3", "float3") else None, None, None, None]
+    assert_matches(model, inputs, specs, attention_loss(dim, use_weights), loss_type,
+                   batch_dim={"head": dim})
+    assert_native(model)
+
+
+def test_self_attention_weights_unused_and_default_need_weights():
+    """need_weights=True (the default) with the weights not in the loss: their captured
+    gradient is absent, not the one flowing into the output through the softmax."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.MultiheadAttention(8, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.attention(x, x, x, average_attn_weights=False)[0]
+
+    assert_matches_loop(Model(), [torch.randn(4, 5, 8)])
+
+
+class Reused(nn.Module):
+    """One attention module called twice: self-attention, then cross-attention on memory."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True, **options)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, memory):
+        kv = x if x.shape[-1] == memory.shape[-1] else x[..., :memory.shape[-1]]
+        h = self.attention(x, kv, kv, need_weights=False)[0]  # self-attention if it can
+        out, weights = self.attention(torch.tanh(h), memory, memory)
+        return self.head(out), weights
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("options", [{}, {"add_bias_kv": True, "add_zero_attn": True},
+                                     {"kdim": 3, "vdim": 3, "bias": False}])
+def test_module_called_twice(options, loss_type):
+    torch.manual_seed(0)
+    memory_dim = options.get("kdim", 4)
+    inputs = [torch.randn(4, 3, 4), torch.randn(4, 5, memory_dim)]
+    assert_matches(Reused(**options), inputs, [0, 0], attention_loss(0), loss_type)
+
+
+@pytest.mark.parametrize("frozen", ["in_proj", "out_proj", "out_proj.bias", "bias_k",
+                                    "all_but_bias_v", "separate_q_v"])
+def test_frozen_parameters(frozen):
+    torch.manual_seed(0)
+    separate = frozen == "separate_q_v"
+    model = Attention(4, 2, batch_first=True, add_bias_kv=True, kdim=3 if separate else None)
+    attention = model.attention
+    names = {"in_proj": ["in_proj_weight", "in_proj_bias"],
+             "out_proj": ["out_proj.weight", "out_proj.bias"],
+             "out_proj.bias": ["out_proj.bias"], "bias_k": ["bias_k"],
+             "all_but_bias_v": [n for n, _ in attention.named_parameters() if n != "bias_v"],
+             "separate_q_v": ["q_proj_weight", "v_proj_weight"]}[frozen]
+    for n in names:
+        attention.get_parameter(n).requires_grad_(False)
+    q = torch.randn(3, 4, 4)
+    kv = torch.randn(3, 5, 3) if separate else torch.randn(3, 5, 4)
+    inputs = [q, kv, torch.randn(3, 5, 4)]
+    got = assert_matches(model, inputs, [0, 0, 0], attention_loss(0))
+    assert not set(names) & {n.removeprefix("attention.") for n in got}
+
+
+def test_several_backward_passes_sum():
+    """Two backward passes of one forward: grad1 is the per-sample gradient of their sum."""
+    torch.manual_seed(0)
+    model = Attention(6, 3, batch_first=True, add_zero_attn=True).double()
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    psh.add_hooks(model)
+    try:
+        out, weights = model(x, x, x)
+        weighted_square(out).mean().backward(retain_graph=True)
+        weighted_square(weights).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    params = dict(model.named_parameters())
+    for i in range(3):
+        out, weights = model(x[i:i + 1], x[i:i + 1], x[i:i + 1])
+        loss = weighted_square(out).sum() + weighted_square(weights).sum()
+        for n, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_encoder_layer(norm_first, batch_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
+                                       batch_first=batch_first, norm_first=norm_first)
+    batch, length = 3, 4
+    src_mask = nn.Transformer.generate_square_subsequent_mask(length)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x, padding):
+            causal = padding is None  # with a padding mask: an explicit mask and padding
+            return self.layer(x, src_mask=src_mask.to(x.dtype), src_key_padding_mask=padding,
+                              is_causal=causal)
+
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[1, -1] = True
+    dim = 0 if batch_first else 1
+    for pad in (None, padding):
+        x = torch.randn(batch, length, 8) if batch_first else torch.randn(length, batch, 8)
+        assert_matches(Model(), [x, pad], [dim, 0],
+                       lambda out: weighted_square(out.movedim(dim, 0)), batch_dim=dim)
+    assert_native(Model())
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_decoder_layer(norm_first, batch_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
+                                       batch_first=batch_first, norm_first=norm_first)
+    batch, length, source = 3, 4, 5
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(length)
+    memory_padding = torch.zeros(batch, source, dtype=torch.bool)
+    memory_padding[0, -2:] = True
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, tgt, memory, memory_padding):
+            return self.layer(tgt, memory, tgt_mask=tgt_mask.to(tgt.dtype),
+                              memory_key_padding_mask=memory_padding, tgt_is_causal=True)
+
+    dim = 0 if batch_first else 1
+    shape = (lambda n: (batch, n, 8)) if batch_first else (lambda n: (n, batch, 8))
+    assert_matches(Model(), [torch.randn(shape(length)), torch.randn(shape(source)),
+                             memory_padding], [dim, dim, 0],
+                   lambda out: weighted_square(out.movedim(dim, 0)), "sum", batch_dim=dim)
+
+
+class AttentionThenHead(nn.Module):
+    def __init__(self, frozen=None, **options):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True, **options)
+        self.head = nn.Linear(4, 3)
+        for name, p in self.att.named_parameters():
+            if frozen is not None and name.startswith(frozen):
+                p.requires_grad_(False)
+
+    def forward(self, x):
+        out, weights = self.att(x, x, x, average_attn_weights=False)
+        return self.head(out) + weights.sum((1, 3)).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("frozen,options", [(None, {}), ("in_proj", {}), ("out_proj", {}),
+                                            (None, {"add_bias_kv": True, "kdim": 4, "vdim": 4}),
+                                            (None, {"add_bias_kv": True, "kdim": 3, "vdim": 2})])
+def test_norms_and_clipping(frozen, options, loss_type):
+    torch.manual_seed(0)
+    if options.get("kdim") == 3:  # separate projections: key and value of their own widths
+        class Model(AttentionThenHead):
+            def forward(self, x):
+                out, weights = self.att(x, x[..., :3], x[..., 1:3], average_attn_weights=False)
+                return self.head(out) + weights.sum((1, 3)).unsqueeze(-1)
+    else:
+        Model = AttentionThenHead
+    x = torch.randn(5, 3, 4)
+    assert_matches_loop(Model(frozen, **options), [x], loss_type=loss_type)
+    assert_norms_match(Model(frozen, **options), [x], loss_type=loss_type)
+    assert_clipping_matches(Model(frozen, **options), [x], 0.5, loss_type=loss_type)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_probes_equal_autograd_and_no_false_alarm(dtype):
+    """The rule's probes (no per-sample gradients) equal the projections of autograd's
+    batch-summed gradient; grad1, norms and clipping raise no unseen-use alarm."""
+    torch.manual_seed(0)
+    model = AttentionThenHead(None, add_bias_kv=True, add_zero_attn=True).to(dtype)
+    x = torch.randn(6, 5, 4, dtype=dtype)
+    state = psh.add_hooks(model)
+    try:
+        weighted_square(model(x)).mean().backward()
+        calls = [c for c in state.calls[model.att] if c.has_grads]
+        generator = torch.Generator().manual_seed(3)
+        probes = {n: (torch.randn(2, p.shape[0], generator=generator, dtype=dtype),
+                      torch.randn(2, p[0].numel(), generator=generator, dtype=dtype))
+                  for n, p in model.att.named_parameters()}
+        got = MultiheadAttentionRule().probe(model.att, calls, probes, 6.0)
+        expected = rerun_projection(model.att, calls, probes)
+        assert got.keys() == expected.keys()
+        for n in expected:
+            torch.testing.assert_close(got[n][0], expected[n], msg=lambda m, n=n: f"{n}: {m}")
+        psh.compute_norms(model)
+        weighted_square(model(x)).mean().backward()
+        psh.clip_grads(model, 1.0)
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        assert model.att.out_proj.weight.grad1.shape == (6, 4, 4)
+    finally:
+        psh.remove_hooks(model)
+
+
+def test_dropout_refused_in_training_only():
+    torch.manual_seed(0)
+    model = Attention(4, 2, batch_first=True, dropout=0.5)
+    x = torch.randn(3, 2, 4)
+    psh.add_hooks(model)
+    try:
+        weighted_square(model(x, x, x)[0]).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="'attention'.*dropout=0.5"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+    model.eval()
+    assert_matches(model, [x, x, x], [0, 0, 0], attention_loss(0))
+
+
+def test_unbatched_query_refused():
+    model = nn.Sequential(nn.MultiheadAttention(4, 2))
+    x = torch.randn(3, 4)
+    psh.add_hooks(model)
+    try:
+        model[0](x, x, x)[0].sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="unbatched"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
