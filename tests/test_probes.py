@@ -127,3 +127,21 @@ def test_curvature_after_backprop_hess_refuses_an_unseen_use(function):
     CHECKED[function](tied_step(unseen=False, hess=True))
     with pytest.raises(psh.PerSampleHooksError, match=r"'conv\.weight'"):
         CHECKED[function](tied_step(unseen=True, hess=True))
+
+
+@pytest.mark.parametrize("norm, shape", [
+    (lambda: nn.LayerNorm(5), (4, 3, 5)),
+    (lambda: nn.LayerNorm((3, 5)), (4, 3, 5)),
+    (lambda: nn.RMSNorm((3, 5)), (4, 2, 3, 5)),
+    (lambda: nn.GroupNorm(2, 4), (4, 4, 3)),
+    (lambda: nn.InstanceNorm2d(4, affine=True), (4, 4, 3, 3)),
+    (lambda: nn.BatchNorm1d(4).eval(), (4, 4, 3)),
+])
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_normalization_probe_matches_autograd(norm, shape, reuse):
+    torch.manual_seed(0)
+    layer = norm()
+    for p in layer.parameters():  # away from the default ones/zeros
+        p.data.normal_()
+    assert_probes_match_autograd(nn.Sequential(layer), [torch.randn(*shape, dtype=torch.double)],
+                                 reuse)

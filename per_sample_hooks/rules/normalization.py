@@ -27,7 +27,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..unseen import Probe, project_samples
+from ..unseen import Probe, matrix_shape, project
 from .base import KeptGrads, Rule, contract_samples, register_rule
 from .ghost import sum_of_squares
 
@@ -109,15 +109,42 @@ class AffineNormRule(Rule):
     def probe(self, module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe],
               scale: float, out: Mapping[str, Tensor] | None = None
               ) -> dict[str, tuple[Tensor, Tensor]]:
-        """Projections of the ``[B, F]`` per-sample gradients (no re-run of the module); the
-        rounding scale from the magnitude of the terms (see :meth:`per_sample`)."""
-        values = self.per_sample(module, calls, list(probes))
-        sizes = self.per_sample(module, calls, list(probes), magnitude=True)
+        """Projections of the batch-summed gradients (no re-run of the module, no per-sample
+        tensor); the rounding scale from the magnitude of the terms (see :meth:`per_sample`),
+        both from one normalization per call."""
+        sums = self.batch_sums(module, calls, list(probes))
         result = {}
         for n, (u, v) in probes.items():
-            value, rounding = project_samples(values[n], (u, v))
-            result[n] = (value, rounding + project_samples(sizes[n], (u.abs(), v.abs()))[0])
+            value, size = (t.reshape(matrix_shape(t.shape)) for t in sums[n])
+            result[n] = (project(value, (u, v)), project(size, (u.abs(), v.abs())))
         return result
+
+    def batch_sums(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+                   ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{name: (sum over samples of grad1 (unscaled), sum of the magnitudes of its
+        terms)}``, each of the parameter's shape; see :meth:`per_sample`."""
+        result: dict[str, tuple[Tensor, Tensor]] = {}
+        features = module._parameters[names[0]].numel()
+        for call in calls:
+            grads = call.backprop()
+            rows = (grads.transpose(0, 1).reshape(grads.shape[1], -1).t()
+                    if self.channels_first else grads.reshape(-1, features))  # [N, F]
+            sizes = rows.abs()
+            terms = {"bias": (rows.sum(0), sizes.sum(0))}
+            if "weight" in names:
+                x_hat = self.normalize(module, call, call.activation())
+                x_rows = (x_hat.transpose(0, 1).reshape(x_hat.shape[1], -1).t()
+                          if self.channels_first else x_hat.reshape(-1, features))
+                terms["weight"] = ((rows * x_rows).sum(0),
+                                   (x_rows.abs_().add_(1) * sizes).sum(0))
+            for name in names:
+                value, size = terms[name]
+                if name in result:
+                    value, size = value + result[name][0], size + result[name][1]
+                result[name] = (value, size)
+        shapes = {n: module._parameters[n].shape for n in names}
+        return {n: (value.reshape(shapes[n]), size.reshape(shapes[n]))
+                for n, (value, size) in result.items()}
 
 
 @register_rule(nn.LayerNorm)
