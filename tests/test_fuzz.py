@@ -1,7 +1,7 @@
 """Fuzzing: hypothesis builds random models from every supported layer family (Linear, Conv /
 ConvTranspose 1-3d, RNN/LSTM/GRU, Embedding, LayerNorm, RMSNorm, GroupNorm, InstanceNorm,
-BatchNorm in eval mode, MultiheadAttention through the fallback with ``PSH_FUZZ_ATTENTION=1``;
-random widths, kernel options,
+BatchNorm in eval mode, MultiheadAttention (its native rule; ``PSH_FUZZ_ATTENTION=0`` leaves it
+out); random widths, kernel options,
 nesting, reuse, frozen parameters) and random batches, and checks ``compute_grad1``,
 ``compute_norms``, ``clip_grads`` and (Linear layers) ``compute_kfac`` against the float64
 per-sample loop.
@@ -138,16 +138,14 @@ def channel_norms(draw, channels: int, dims: int):
     return norm
 
 
-ATTENTION_IN_POOL = os.environ.get("PSH_FUZZ_ATTENTION") == "1"
-"""MultiheadAttention (a fallback unit) is out of the default pool: the fuzzer found that
-``compute_norms`` / ``clip_grads`` raise ``KeyError: 'out_proj.weight'`` on it (the default
-``Rule.norms_squared`` in rules/base.py looks up ``module._parameters[name]``, which has no
-qualified child names), and that a frozen ``in_proj_weight`` makes MHA no unit, so the
-unseen-use check refuses ``out_proj``. ``PSH_FUZZ_ATTENTION=1`` puts it back."""
+ATTENTION_IN_POOL = os.environ.get("PSH_FUZZ_ATTENTION", "1") == "1"
+"""MultiheadAttention is in the pool (``PSH_FUZZ_ATTENTION=0`` takes it out, to fuzz the other
+layers faster). It was out while it went through the fallback, whose norms raised a KeyError on
+``out_proj.weight`` (fixed, tested in test_fallback.py)."""
 
 
 class Attention(nn.Module):
-    """Self-attention (``nn.MultiheadAttention``, through the torch.func fallback)."""
+    """Self-attention (``nn.MultiheadAttention``, its native rule)."""
 
     def __init__(self, width: int, heads: int, bias: bool):
         super().__init__()
