@@ -145,3 +145,42 @@ def test_normalization_probe_matches_autograd(norm, shape, reuse):
         p.data.normal_()
     assert_probes_match_autograd(nn.Sequential(layer), [torch.randn(*shape, dtype=torch.double)],
                                  reuse)
+
+
+transposed_types = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_conv_transpose_probe_matches_autograd(data):
+    dims = data.draw(st.sampled_from([1, 2, 3]))
+    groups = data.draw(st.sampled_from([1, 2]))
+    cin = groups * data.draw(st.integers(1, 2))
+    cout = groups * data.draw(st.integers(1, 3))
+    stride = data.draw(st.integers(1, 3))
+    dilation = data.draw(st.integers(1, 2))
+    kernel = data.draw(st.integers(1, 3))
+    conv = transposed_types[dims](  # padding crops a 1-wide kernel's output to nothing
+        cin, cout, kernel, stride=stride,
+        padding=data.draw(st.integers(0, 1)) if kernel > 1 else 0, dilation=dilation,
+        groups=groups,
+        output_padding=data.draw(st.integers(0, min(stride, dilation) - 1)),
+        bias=data.draw(st.booleans()))
+    x = torch.randn(3, cin, *([data.draw(st.integers(2, 4))] * dims), dtype=torch.double)
+    assert_probes_match_autograd(nn.Sequential(conv), [x], reuse=data.draw(st.integers(1, 2)))
+
+
+def test_bias_before_a_normalization_is_no_false_alarm():
+    """A bias followed by InstanceNorm gets a gradient that is zero in exact arithmetic: float32
+    rounding on both sides must not look like an unseen use (found by the long fuzz)."""
+    for seed in range(100):
+        torch.manual_seed(seed)
+        dtype = (torch.float32, torch.float64)[seed % 2]
+        for conv in (nn.ConvTranspose1d(1, 1, 1), nn.Conv1d(1, 1, 1)):
+            model = nn.Sequential(conv, nn.InstanceNorm1d(1, affine=True), nn.Tanh(),
+                                  nn.Flatten(), nn.Linear(3, 1)).to(dtype)
+            psh.add_hooks(model)
+            x = torch.randn(2, 1, 3, dtype=dtype) * 10 ** (seed % 5 - 2)
+            model(x).square().mean().backward()
+            psh.compute_grad1(model)
+            psh.compute_norms(model)

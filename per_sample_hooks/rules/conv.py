@@ -292,30 +292,52 @@ def conv_probe(module: nn.modules.conv._ConvNd, calls: Sequence[Call], name: str
                v: Tensor) -> tuple[Tensor, Tensor]:
     """Projections, one per probe, of the batch-summed gradient of ``name`` (weight seen as
     ``[Cout, K]``, bias as ``[Cout, 1]``) on probes ``u [n, Cout]``, ``v [n, K or 1]``, and its
-    rounding scale (the sum of the absolute terms)."""
-    groups, n = module.groups, u.shape[0]
+    rounding scale (the sum of the absolute terms, one per sample and position)."""
     value = rounding = None
     for call in calls:
         grad_output = call.backprop()
-        batch, channels = grad_output.shape[:2]
         if name == "weight":
-            flat = grad_output.reshape(batch, groups, channels // groups, -1)  # [B, G, C, T]
-            per_group = u.view(n, groups, channels // groups).transpose(0, 1)  # [G, n, C]
-            terms = torch.matmul(per_group, flat)  # [B, G, n, T]
-            kernel = v.view(n, *module.weight.shape[1:])
-            if groups > 1:
-                kernel = kernel.repeat(groups, *([1] * (kernel.dim() - 1)))
-            projected = module._conv_forward(layer_input(call), kernel, None)  # [B, G*n, *So]
-            terms.mul_(projected.reshape(batch, groups, n, -1))
-            dims: tuple[int, ...] = (0, 1, 3)
+            projected = module._conv_forward(layer_input(call), probe_kernel(module, v), None)
+            terms = weight_probe_terms(grad_output, u, module.groups, projected)
         else:
-            terms = torch.matmul(u, grad_output.reshape(batch, channels, -1))  # [B, n, T]
-            terms.mul_(v.view(1, n, 1))
-            dims = (0, 2)
-        call_value, call_rounding = terms.sum(dims), torch.linalg.vector_norm(terms, 1, dims)
-        value = call_value if value is None else value + call_value
-        rounding = call_rounding if rounding is None else rounding + call_rounding
+            terms = bias_probe_terms(grad_output, u, v)
+        value, rounding = add_probe_sums(value, rounding, terms)
     return value, rounding
+
+
+def probe_kernel(module: nn.Module, v: Tensor) -> Tensor:
+    """``v [n, K]`` as a kernel of ``n`` output channels per group, ``[G*n, *weight[0].shape]``
+    (group major), for the layer's own convolution (``K = prod(weight.shape[1:])``)."""
+    kernel = v.view(v.shape[0], *module.weight.shape[1:])
+    return kernel.repeat(module.groups, *([1] * (kernel.dim() - 1)))
+
+
+def weight_probe_terms(left: Tensor, u: Tensor, groups: int, projected: Tensor) -> Tensor:
+    """``[B, G, n, T]``: ``(left u)`` per group times ``projected`` (``[B, G*n, *]``, the other
+    side already contracted with ``v``); ``left [B, C, *]`` holds the weight's first dim."""
+    batch, channels = left.shape[:2]
+    n = u.shape[0]
+    flat = left.reshape(batch, groups, channels // groups, -1)  # [B, G, C/G, T]
+    per_group = u.view(n, groups, channels // groups).transpose(0, 1)  # [G, n, C/G]
+    return torch.matmul(per_group, flat).mul_(projected.reshape(batch, groups, n, -1))
+
+
+def bias_probe_terms(grad_output: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """``[B, n, T]``: ``(grad_output u) v`` for a bias ``[C]`` seen as ``[C, 1]``."""
+    batch, channels = grad_output.shape[:2]
+    terms = torch.matmul(u, grad_output.reshape(batch, channels, -1))
+    return terms.mul_(v.view(1, -1, 1))
+
+
+def add_probe_sums(value: Tensor | None, rounding: Tensor | None, terms: Tensor
+                   ) -> tuple[Tensor, Tensor]:
+    """Running ``(sum, sum of absolute values)`` over all dims of ``terms`` but the probe dim
+    (the one before last)."""
+    dims = tuple(d for d in range(terms.dim()) if d != terms.dim() - 2)
+    call_value, call_rounding = terms.sum(dims), torch.linalg.vector_norm(terms, 1, dims)
+    if value is None:
+        return call_value, call_rounding
+    return value + call_value, rounding + call_rounding
 
 
 def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,

@@ -24,13 +24,18 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..capture import Call
+from ..unseen import Probe
 from .base import Rule, hess_from_grad1, register_rule
 from .conv import (
+    add_probe_sums,
     add_spatial_sums,
+    bias_probe_terms,
     check_batched,
     layer_input,
+    probe_kernel,
     sample_chunks,
     unfold_columns,
+    weight_probe_terms,
 )
 from .linear import add_outer_products
 
@@ -134,3 +139,26 @@ class ConvTransposeRule(Rule):
              scale: float, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Exact Gauss-Newton blocks from per-pass per-sample gradients (:meth:`grad1`)."""
         return hess_from_grad1(self, module, calls, scale, params)
+
+    def probe(self, module: nn.modules.conv._ConvTransposeNd, calls: Sequence[Call],
+              probes: Mapping[str, Probe], scale: float, out: Mapping[str, Tensor] | None = None
+              ) -> dict[str, tuple[Tensor, Tensor]]:
+        """``u^T (sum_b grad_weight_b) v = sum_{b,t} (x u)(patches v)`` with ``patches v`` the
+        convolution of the cropped output gradient with ``v`` as a kernel (``n`` channels per
+        group); rounding from the terms of each sample and position."""
+        result = {}
+        for name, (u, v) in probes.items():
+            value = rounding = None
+            for call in calls:
+                grad_output, x = call.backprop(), layer_input(call)
+                if name == "weight":
+                    padded = crop_pad_grad_output(module, grad_output, x.shape[2:])
+                    convolve = (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
+                    projected = convolve(padded, probe_kernel(module, v), None, module.stride,
+                                         0, module.dilation, module.groups)
+                    terms = weight_probe_terms(x, u, module.groups, projected)
+                else:
+                    terms = bias_probe_terms(grad_output, u, v)
+                value, rounding = add_probe_sums(value, rounding, terms)
+            result[name] = (value, rounding)
+        return result
