@@ -9,6 +9,8 @@ Methods (each one full training step, timed interleaved in one process, see harn
 - ``plain``: forward + backward of the mean (or sum) loss on an unhooked copy of the model.
 - ``hooks``: the same on the hooked model (capture only), then ``clear_backprops``.
 - ``grad1``: hooked forward + backward + ``compute_grad1``.
+- ``grad1 no check``: the same with ``add_hooks(..., check_unseen=False)`` (what the unseen-use
+  check costs).
 - ``torch.func``: ``vmap(grad(loss of one sample))`` with ``functional_call``.
 - ``loop``: one forward + backward per sample, gradients stacked.
 - ``floor``: ``plain`` plus writing B*P floats once into an existing buffer (``fill_``): what
@@ -87,6 +89,9 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     hooked = build()
     hooked.load_state_dict(plain.state_dict())
     psh.add_hooks(hooked)
+    unchecked = build()
+    unchecked.load_state_dict(plain.state_dict())
+    psh.add_hooks(unchecked, check_unseen=False)
     x = torch.randn(batch, *shape)
     y = torch.randint(10, (batch,))
     n_floats = batch * sum(p.numel() for p in plain.parameters())
@@ -107,6 +112,10 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     def grad1_step() -> None:
         step(hooked)
         psh.compute_grad1(hooked, loss_type=loss_type)
+
+    def unchecked_step() -> None:
+        step(unchecked)
+        psh.compute_grad1(unchecked, loss_type=loss_type)
 
     def floor_step() -> None:
         step(plain)
@@ -130,7 +139,8 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
         [torch.stack(g) for g in zip(*grads)]
 
     return {"plain": plain_step, "hooks": hooks_step, "grad1": grad1_step,
-            "torch.func": func_step, "loop": loop_step, "floor": floor_step}
+            "grad1 no check": unchecked_step, "torch.func": func_step, "loop": loop_step,
+            "floor": floor_step}
 
 
 GOALS = {  # (model, method, reference, at most)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..unseen import Probe
+from ..unseen import Probe, project_samples
 from .base import (
     KeptGrads,
     Rule,
@@ -284,8 +284,13 @@ class ConvRule(Rule):
               ) -> dict[str, tuple[Tensor, Tensor]]:
         """``u^T (sum_b grad_weight_b) v = sum_{b,t} (gy u)(patches v)``: the patches side is
         the layer's own convolution with ``v`` as a kernel of ``N_PROBES`` output channels per
-        group; nothing is unfolded (about ``N_PROBES / Cout`` of the forward's cost)."""
-        return {name: conv_probe(module, calls, name, u, v) for name, (u, v) in probes.items()}
+        group (nothing unfolded); the weight's from ``out`` when :meth:`grad1` wrote it (one
+        read, cheaper than that convolution). The bias always from its terms per sample and
+        position: a normalization after the layer cancels them exactly, and only their own
+        magnitude bounds the rounding of what is left."""
+        return {name: weight_probe_from_samples(out, u, v, scale)
+                if name == "weight" and out is not None and "weight" in out
+                else conv_probe(module, calls, name, u, v) for name, (u, v) in probes.items()}
 
 
 def conv_probe(module: nn.modules.conv._ConvNd, calls: Sequence[Call], name: str, u: Tensor,
@@ -303,6 +308,14 @@ def conv_probe(module: nn.modules.conv._ConvNd, calls: Sequence[Call], name: str
             terms = bias_probe_terms(grad_output, u, v)
         value, rounding = add_probe_sums(value, rounding, terms)
     return value, rounding
+
+
+def weight_probe_from_samples(out: Mapping[str, Tensor], u: Tensor, v: Tensor, scale: float
+                              ) -> tuple[Tensor, Tensor]:
+    """Projections of ``out["weight"]`` (per-sample gradients written with ``scale``) summed
+    over samples, and their rounding scale, both without the loss scale."""
+    value, rounding = project_samples(out["weight"], (u, v))
+    return value / scale, rounding / scale
 
 
 def probe_kernel(module: nn.Module, v: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from .conv import (
     probe_kernel,
     sample_chunks,
     unfold_columns,
+    weight_probe_from_samples,
     weight_probe_terms,
 )
 from .linear import add_outer_products
@@ -145,9 +146,13 @@ class ConvTransposeRule(Rule):
               ) -> dict[str, tuple[Tensor, Tensor]]:
         """``u^T (sum_b grad_weight_b) v = sum_{b,t} (x u)(patches v)`` with ``patches v`` the
         convolution of the cropped output gradient with ``v`` as a kernel (``n`` channels per
-        group); rounding from the terms of each sample and position."""
+        group); rounding from the terms of each sample and position. The weight's from
+        ``out`` when :meth:`grad1` wrote it (see :meth:`ConvRule.probe`)."""
         result = {}
         for name, (u, v) in probes.items():
+            if name == "weight" and out is not None and "weight" in out:
+                result[name] = weight_probe_from_samples(out, u, v, scale)
+                continue
             value = rounding = None
             for call in calls:
                 grad_output, x = call.backprop(), layer_input(call)
