@@ -370,15 +370,21 @@ class UnseenProjections:
             self.check.verify(self.hooked, self.users)
 
 
-def check_unseen_uses(state: HookState, step: Step) -> None:
+def check_unseen_uses(state: HookState, step: Step,
+                      kept: Callable[[nn.Module, str], Tensor | None] | None = None) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen` for a step whose per-sample
-    quantities are not materialized (norms, clipping, curvature): each rule's cheap probe of
-    its captured pairs. Raises before anything is written."""
+    quantities are not all materialized (norms, clipping, curvature): each rule's cheap probe of
+    its captured pairs, or of the per-sample gradients ``kept(module, name)`` returns (written
+    as captured, without the loss scale) where it has them. Raises before anything is
+    written."""
     if state.unseen is None:
         return
     projections = UnseenProjections(state)
     for layer in step.layers:
-        projections.add(layer, step.scale, None)
+        out = {}
+        if kept is not None:
+            out = {n: t for n in layer.parameters if (t := kept(layer.module, n)) is not None}
+        projections.add(layer, 1.0 if out else step.scale, out or None)
     projections.verify()
 
 

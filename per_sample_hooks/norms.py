@@ -198,9 +198,9 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
             for p in layer.parameters.values():
                 _grad_target(p).zero_()
         return _empty_batch_norms(model, step, per_param=False)
-    check_unseen_uses(state, step)
     keep = _kept_grads(state, step)
     squared = _per_parameter_squared(model, step, "clip_grads", keep)
+    check_unseen_uses(state, step, keep.get)  # probes from the kept per-sample gradients
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
