@@ -223,6 +223,7 @@ def worker(rank: int, init_file: str, errors: str) -> None:
                 dp_clipping_matches_one_process(rank, loss_type, suppress)
             dpsgd_matches_one_process(rank, loss_type)
         weighted_mean_helper(rank)
+        dist.barrier()  # both ranks done before the teardown: gloo aborts on a peer gone early
     except BaseException:
         with open(f"{errors}.{rank}", "w") as f:
             f.write(traceback.format_exc())
