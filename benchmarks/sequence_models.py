@@ -134,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None, help="default 15 (--quick: 7)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rounds = 7 if args.quick else 15
+    rounds = args.rounds or (7 if args.quick else 15)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} rounds, "
           "interleaved; median and inter-quartile range of ms per step", flush=True)
     for name in args.models:
