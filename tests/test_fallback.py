@@ -276,36 +276,6 @@ def test_transformer_encoder_layer(norm_first, batch_first, mode):
         assert_matches_loop_dims(Model(), [x, padding], [1, 0], batch_dim=1)
 
 
-@pytest.mark.parametrize("norm_first", [False, True])
-@pytest.mark.parametrize("batch_first", [False, True])
-def test_transformer_decoder_layer(norm_first, batch_first):
-    torch.manual_seed(0)
-    layer = nn.TransformerDecoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
-                                       batch_first=batch_first, norm_first=norm_first)
-    batch, length, source = 3, 4, 5
-    tgt_mask = nn.Transformer.generate_square_subsequent_mask(length)
-    memory_padding = torch.zeros(batch, source, dtype=torch.bool)
-    memory_padding[0, -2:] = True
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, tgt, memory, memory_padding):
-            return self.layer(tgt, memory, tgt_mask=tgt_mask.to(tgt.dtype),
-                              memory_key_padding_mask=memory_padding)
-
-    if batch_first:
-        assert_matches_loop(Model(), [torch.randn(batch, length, 8),
-                                      torch.randn(batch, source, 8), memory_padding],
-                            loss_type="sum")
-    else:
-        assert_matches_loop_dims(Model(), [torch.randn(length, batch, 8),
-                                           torch.randn(source, batch, 8), memory_padding],
-                                 [1, 1, 0], batch_dim=1, loss_type="sum")
-
-
 def test_batch_dim_mapping_nearest_entry_wins():
     torch.manual_seed(0)
 
