@@ -1,4 +1,5 @@
-"""The torch.func fallback: custom layers, attention, transformer layers, batch_dim per module."""
+"""The torch.func fallback (custom layers, batch_dim per module) and attention and transformer
+layers inside whole models (their native rule is tested in test_attention_rule.py)."""
 import pytest
 import torch
 from hypothesis import given, settings
