@@ -129,14 +129,15 @@ class AffineNormRule(Rule):
             grads = call.backprop()
             rows = (grads.transpose(0, 1).reshape(grads.shape[1], -1).t()
                     if self.channels_first else grads.reshape(-1, features))  # [N, F]
-            sizes = rows.abs()
-            terms = {"bias": (rows.sum(0), sizes.sum(0))}
-            if "weight" in names:
+            bias_size = torch.linalg.vector_norm(rows, 1, 0)
+            terms = {"bias": (rows.sum(0), bias_size)}
+            if "weight" in names:  # sizes sum |g| (|x_hat| + 1); no temporary but x_hat
                 x_hat = self.normalize(module, call, call.activation())
                 x_rows = (x_hat.transpose(0, 1).reshape(x_hat.shape[1], -1).t()
                           if self.channels_first else x_hat.reshape(-1, features))
-                terms["weight"] = ((rows * x_rows).sum(0),
-                                   (x_rows.abs_().add_(1) * sizes).sum(0))
+                products = x_rows.mul_(rows)
+                terms["weight"] = (products.sum(0),
+                                   torch.linalg.vector_norm(products, 1, 0).add_(bias_size))
             for name in names:
                 value, size = terms[name]
                 if name in result:
