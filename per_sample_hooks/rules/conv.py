@@ -345,9 +345,9 @@ def bias_probe_terms(grad_output: Tensor, u: Tensor, v: Tensor) -> Tensor:
 def add_probe_sums(value: Tensor | None, rounding: Tensor | None, terms: Tensor
                    ) -> tuple[Tensor, Tensor]:
     """Running ``(sum, sum of absolute values)`` over all dims of ``terms`` but the probe dim
-    (the one before last)."""
+    (the one before last); ``terms`` is overwritten."""
     dims = tuple(d for d in range(terms.dim()) if d != terms.dim() - 2)
-    call_value, call_rounding = terms.sum(dims), torch.linalg.vector_norm(terms, 1, dims)
+    call_value, call_rounding = terms.sum(dims), terms.abs_().sum(dims)  # terms: a temporary
     if value is None:
         return call_value, call_rounding
     return value + call_value, rounding + call_rounding
