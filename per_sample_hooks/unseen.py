@@ -150,22 +150,23 @@ class UnseenUseCheck:
         self.totals.clear()
 
     def probe(self, p: Tensor) -> Probe:
-        """This step's probes for ``p`` (all parameters' drawn on the step's first use)."""
+        """This step's probes for ``p``."""
+        return self._views()[id(p)]
+
+    def _views(self) -> dict[int, Probe]:
+        """Every parameter's probes, drawn on the step's first use."""
         if not self.drawn:
             self.bank.draw()
             self.drawn = True
-        return self.bank.views[id(p)]
+        return self.bank.views
 
     def _total_hook(self, key: int) -> Callable[[Tensor], None]:
-        state, totals, views = self._state, self.totals, self.bank.views
+        state, totals = self._state, self.totals
 
         def hook(grad: Tensor) -> None:
             if not state.enabled:
                 return
-            if not self.drawn:
-                self.bank.draw()
-                self.drawn = True
-            value = project_gradient(grad.detach(), views[key])
+            value = project_gradient(grad.detach(), self._views()[key])
             total = totals.get(key)
             totals[key] = value if total is None else total + value
         return hook
