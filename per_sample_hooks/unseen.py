@@ -195,12 +195,12 @@ class UnseenUseCheck:
                 continue
             for i in failed.any(1).nonzero().flatten().tolist():
                 key = keys[i]
-                if not self.rounding_explains(self.params[key], totals[i], bounds[i],
-                                              users.get(key, ())):
+                if not self.rounding_explains(self.params[key], totals[i], values[i],
+                                              bounds[i], users.get(key, ())):
                     fraction = gaps[i] / sizes[i].clamp_min(torch.finfo(dtype).tiny)
                     raise_unseen(self.owners[key], users.get(key, ()), float(fraction.max()))
 
-    def rounding_explains(self, p: nn.Parameter, total: Tensor, bound: Tensor,
+    def rounding_explains(self, p: nn.Parameter, total: Tensor, hooked: Tensor, bound: Tensor,
                           users: Sequence[str]) -> bool:
         """Confirm-before-raise, run only for a parameter that failed the check: is the gap
         autograd's own rounding rather than a missing term?
@@ -217,11 +217,15 @@ class UnseenUseCheck:
         pass) in ``p``'s dtype and in float64. Float64 gives the exact total of the seen uses;
         the difference of the two measures the rounding of the original backward (the same
         computation, so the same rounding; ``3 rms`` covers kernels that do not round the same
-        way twice). A missing term stays in ``total - exact`` in full, so it is reported when it
-        exceeds the usual tolerance plus that rounding. Anything that prevents the recomputation
-        (no float64 on the device, a forward that cannot be re-run) leaves the check's answer.
+        way twice). The rules' own sum ``hooked`` is a second witness of rounding: it sees the
+        same uses as the recomputation, summed in another order, so ``|hooked - exact|`` is
+        rounding alone (in float64 too, where a gradient that cancels exactly, a shift before a
+        normalization, is all rounding on both sides). A missing term stays in
+        ``total - exact`` in full, so it is reported when it exceeds the usual tolerance plus
+        that rounding. Anything that prevents the recomputation (no float64 on the device, a
+        forward that cannot be re-run) leaves the check's answer.
         """
-        if p.dtype == torch.float64 or not users or self._state is None:
+        if not users or self._state is None:
             return False
         by_name = {name: module for module, (name, _) in self._state.modules.items()}
         probe = self.probe(p)
@@ -236,8 +240,9 @@ class UnseenUseCheck:
                 local = next((n for n, q in module.named_parameters() if q is p), None)
                 if local is None:
                     return False
-                low, low_grad = rerun_projections(module, calls, local, probe, p.dtype)
                 high, high_grad = rerun_projections(module, calls, local, probe, torch.float64)
+                low, low_grad = (high, high_grad) if p.dtype == torch.float64 else \
+                    rerun_projections(module, calls, local, probe, p.dtype)
                 seen += low
                 exact += high
                 squared += (low_grad.double() - high_grad).square().sum()
@@ -246,7 +251,7 @@ class UnseenUseCheck:
         u, v = (t.double() for t in probe)
         n0, n1 = matrix_shape(p.shape)
         rms = squared.sqrt() * u.norm(dim=1) * v.norm(dim=1) / math.sqrt(max(n0 * n1, 1))
-        rounding = 2 * (seen - exact).abs() + 3 * rms
+        rounding = 2 * (seen - exact).abs() + 3 * rms + 10 * (hooked.double() - exact).abs()
         gap = (total.double() - exact).abs()
         return bool((gap <= bound.double() + rounding).all())
 
