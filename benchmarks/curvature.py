@@ -25,6 +25,7 @@ Methods (one training step each, timed interleaved, see harness.py):
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -107,11 +108,8 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     _, build, shape, batch = MODELS[name]
     torch.manual_seed(seed)
     plain = build()
-    hooked = build()
-    hooked.load_state_dict(plain.state_dict())
+    hooked, factors_only = copy.deepcopy(plain), copy.deepcopy(plain)
     psh.add_hooks(hooked)
-    factors_only = build()
-    factors_only.load_state_dict(plain.state_dict())
     x = torch.randn(batch, *shape)
     y = torch.randint(10, (batch,))
 

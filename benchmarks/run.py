@@ -19,6 +19,7 @@ Methods (each one full training step, timed interleaved in one process, see harn
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -86,11 +87,8 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     _, build, shape, batch, loss_fn, loss_type = MODELS[model]
     torch.manual_seed(seed)
     plain = build()
-    hooked = build()
-    hooked.load_state_dict(plain.state_dict())
+    hooked, unchecked = copy.deepcopy(plain), copy.deepcopy(plain)
     psh.add_hooks(hooked)
-    unchecked = build()
-    unchecked.load_state_dict(plain.state_dict())
     psh.add_hooks(unchecked, check_unseen=False)
     x = torch.randn(batch, *shape)
     y = torch.randint(10, (batch,))

@@ -121,8 +121,8 @@ class ProbeBank:
 
     def draw(self) -> None:
         """Fresh probes for every parameter."""
-        if any((p.dtype, p.device) != key for p, key in zip(self.params, self.layout)) \
-                or len(self.layout) != len(self.params):
+        if not self.layout or any((p.dtype, p.device) != key
+                                  for p, key in zip(self.params, self.layout)):
             self._build()
         for flat, staging in self.flats:
             staging.normal_(generator=self.generator)
@@ -184,8 +184,11 @@ class UnseenUseCheck:
             groups.setdefault((total.dtype, total.device), []).append(key)
         for (dtype, _), keys in groups.items():
             totals = torch.stack([self.totals[key] for key in keys])
-            zero = torch.zeros_like(totals[0])
-            pairs = [hooked.get(key, (zero, zero)) for key in keys]
+            if all(key in hooked for key in keys):
+                pairs = [hooked[key] for key in keys]
+            else:  # a parameter whose modules' outputs did not reach the loss: nothing hooked
+                zero = torch.zeros_like(totals[0])
+                pairs = [hooked.get(key, (zero, zero)) for key in keys]
             values = torch.stack([value for value, _ in pairs])
             sizes = torch.stack([scale for _, scale in pairs]).add_(totals.abs())
             gaps = torch.sub(totals, values).abs_()

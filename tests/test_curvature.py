@@ -181,6 +181,17 @@ class SumPositions(nn.Module):
         return x.sum(1)
 
 
+def factors_both_ways(model: nn.Module, x: Tensor, hess_type: str) -> tuple[dict, dict]:
+    """``compute_kfac`` after ``backprop_hess``, ``approx="expand"`` then ``"reduce"``."""
+    factors = []
+    with psh.add_hooks(model):
+        for approx in ("expand", "reduce"):
+            psh.backprop_hess(model(x), hess_type)
+            factors.append(psh.compute_kfac(model, approx=approx))
+            psh.clear_backprops(model)
+    return factors[0], factors[1]
+
+
 def test_reduce_exact_and_expand_not_for_shared_positions() -> None:
     """One sample, every position the same input, positions summed after two Linears: the
     reduce setting, where K-FAC-reduce is exact and K-FAC-expand is not."""
@@ -188,12 +199,7 @@ def test_reduce_exact_and_expand_not_for_shared_positions() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), SumPositions()).to(DT)
     x = torch.randn(1, 1, 3, dtype=DT).expand(1, 5, 3).contiguous()
     t = torch.randn(1, 2, dtype=DT)
-    with psh.add_hooks(model):
-        psh.backprop_hess(model(x), "LeastSquares")
-        reduced = psh.compute_kfac(model, approx="reduce")
-        psh.clear_backprops(model)
-        psh.backprop_hess(model(x), "LeastSquares")
-        expanded = psh.compute_kfac(model, approx="expand")
+    expanded, reduced = factors_both_ways(model, x, "LeastSquares")
     for name in ("0", "1"):
         module = model.get_submodule(name)
         exact = weight_matrix_hessian(model, name, x, t, "LeastSquares")
@@ -239,12 +245,7 @@ def test_expand_equals_reduce_with_one_position() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).to(DT)
     x = torch.randn(7, 4, dtype=DT)
-    with psh.add_hooks(model):
-        psh.backprop_hess(model(x), "CrossEntropy")
-        expanded = psh.compute_kfac(model, approx="expand")
-        psh.clear_backprops(model)
-        psh.backprop_hess(model(x), "CrossEntropy")
-        reduced = psh.compute_kfac(model, approx="reduce")
+    expanded, reduced = factors_both_ways(model, x, "CrossEntropy")
     for module in expanded:
         for e, r in zip(expanded[module], reduced[module]):
             torch.testing.assert_close(e, r)

@@ -327,22 +327,25 @@ common = dict(batch=st.integers(1, 4), loss_type=st.sampled_from(["mean", "sum"]
               max_norm=st.sampled_from([1e-3, 0.3, 1e3]), seed=st.integers(0, 2**16))
 
 
-@FUZZ
-@given(spec=dense_models(), data=st.data(), **common)
-def test_fuzz_dense(spec, data, batch, loss_type, max_norm, seed):
+def check_feedforward(spec, data, batch, loss_type, max_norm, seed):
+    """A ``(model, input shape without batch)`` spec, some parameters frozen, on a random
+    batch."""
     model, shape = spec
     torch.manual_seed(seed)
     freeze_some(data.draw, model)
     check_everything(model, torch.randn(batch, *shape), loss_type, max_norm)
+
+
+@FUZZ
+@given(spec=dense_models(), data=st.data(), **common)
+def test_fuzz_dense(spec, data, batch, loss_type, max_norm, seed):
+    check_feedforward(spec, data, batch, loss_type, max_norm, seed)
 
 
 @FUZZ
 @given(spec=conv_models(), data=st.data(), **common)
 def test_fuzz_conv(spec, data, batch, loss_type, max_norm, seed):
-    model, shape = spec
-    torch.manual_seed(seed)
-    freeze_some(data.draw, model)
-    check_everything(model, torch.randn(batch, *shape), loss_type, max_norm)
+    check_feedforward(spec, data, batch, loss_type, max_norm, seed)
 
 
 @FUZZ

@@ -35,7 +35,8 @@ from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..unseen import Probe
 from .base import KeptGrads, Rule, contract_samples, register_rule
-from .linear import add_outer_products, add_position_sums
+from .ghost import weighted_bias_sum, weighted_weight_sum
+from .linear import add_outer_products, add_position_sums, linear_probe
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")
@@ -315,18 +316,13 @@ def write_terms(out: Mapping[str, Tensor], terms: Sequence[Sequence[Term]], scal
 
 
 def add_weighted(target: Tensor, term: Term, weights: Tensor, accumulate: bool) -> None:
-    """``target (+)= sum_b weights[b] * (term's gradient of sample b)``: one matmul with the
-    weights folded into the gradients (``target [p, d]`` or ``[p]``)."""
-    grads = term.grads * weights.to(term.grads.dtype).view(-1, 1, 1)
-    grads = grads.reshape(-1, grads.shape[-1])
+    """``target (+)= sum_b weights[b] * (term's gradient of sample b)`` (``target [p, d]`` or
+    ``[p]``): the Linear rule's weighted sums, the weights folded into one matmul."""
+    grads = term.grads.unsqueeze(1)  # one group
     if term.acts is None:
-        value = grads.sum(0)
+        weighted_bias_sum(target, grads, weights, accumulate)
     else:
-        value = grads.t() @ term.acts.reshape(-1, term.acts.shape[-1])
-    if accumulate:
-        target.add_(value)
-    else:
-        target.copy_(value)
+        weighted_weight_sum(target, term.acts.unsqueeze(1), grads, weights, accumulate)
 
 
 @register_rule(nn.MultiheadAttention)
@@ -399,13 +395,7 @@ class MultiheadAttentionRule(Rule):
             u, v = probes[term.name]
             if term.rows is not None:
                 u = u[:, term.rows]
-            grads = term.grads.reshape(-1, term.grads.shape[-1])
-            values = grads @ u.t()  # [B*T, N_PROBES]
-            if term.acts is None:
-                values.mul_(v.t())
-            else:
-                values.mul_(term.acts.reshape(-1, term.acts.shape[-1]) @ v.t())
-            value, rounding = values.sum(0), torch.linalg.vector_norm(values, 1, 0)
+            value, rounding = linear_probe(term.grads, term.acts, (u, v))
             if term.name in result:
                 value, rounding = value + result[term.name][0], rounding + result[term.name][1]
             result[term.name] = (value, rounding)

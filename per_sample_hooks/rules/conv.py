@@ -24,7 +24,7 @@ measured faster: 3d convolutions with many input channels per group
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -288,26 +288,35 @@ class ConvRule(Rule):
         read, cheaper than that convolution). The bias always from its terms per sample and
         position: a normalization after the layer cancels them exactly, and only their own
         magnitude bounds the rounding of what is left."""
-        return {name: weight_probe_from_samples(out, u, v, scale)
-                if name == "weight" and out is not None and "weight" in out
-                else conv_probe(module, calls, name, u, v) for name, (u, v) in probes.items()}
-
-
-def conv_probe(module: nn.modules.conv._ConvNd, calls: Sequence[Call], name: str, u: Tensor,
-               v: Tensor) -> tuple[Tensor, Tensor]:
-    """Projections, one per probe, of the batch-summed gradient of ``name`` (weight seen as
-    ``[Cout, K]``, bias as ``[Cout, 1]``) on probes ``u [n, Cout]``, ``v [n, K or 1]``, and its
-    rounding scale (the sum of the absolute terms, one per sample and position)."""
-    value = rounding = None
-    for call in calls:
-        grad_output = call.backprop()
-        if name == "weight":
+        def weight_sides(call: Call, v: Tensor) -> tuple[Tensor, Tensor]:
             projected = module._conv_forward(layer_input(call), probe_kernel(module, v), None)
-            terms = weight_probe_terms(grad_output, u, module.groups, projected)
-        else:
-            terms = bias_probe_terms(grad_output, u, v)
-        value, rounding = add_probe_sums(value, rounding, terms)
-    return value, rounding
+            return call.backprop(), projected
+        return probe_convolution(module.groups, calls, probes, scale, out, weight_sides)
+
+
+def probe_convolution(groups: int, calls: Sequence[Call], probes: Mapping[str, Probe],
+                      scale: float, out: Mapping[str, Tensor] | None,
+                      weight_sides: Callable[[Call, Tensor], tuple[Tensor, Tensor]]
+                      ) -> dict[str, tuple[Tensor, Tensor]]:
+    """:meth:`Rule.probe` of a (transposed) convolution: per probe, the projection of the
+    batch-summed gradient (weight seen as ``[C, K]``, bias as ``[C, 1]``) and its rounding scale
+    (the sum of the absolute terms, one per sample and position). The weight's from ``out``
+    when given, else from ``weight_sides(call, v)``: the tensor holding the weight's first dim
+    ``[B, C, *]`` and the other side convolved with ``v`` as a kernel, ``[B, G*n, *]``."""
+    result = {}
+    for name, (u, v) in probes.items():
+        if name == "weight" and out is not None and "weight" in out:
+            result[name] = weight_probe_from_samples(out, u, v, scale)
+            continue
+        value = rounding = None
+        for call in calls:
+            if name == "weight":
+                terms = weight_probe_terms(*weight_sides(call, v), u, groups)
+            else:
+                terms = bias_probe_terms(call.backprop(), u, v)
+            value, rounding = add_probe_sums(value, rounding, terms)
+        result[name] = (value, rounding)
+    return result
 
 
 def weight_probe_from_samples(out: Mapping[str, Tensor], u: Tensor, v: Tensor, scale: float
@@ -325,7 +334,7 @@ def probe_kernel(module: nn.Module, v: Tensor) -> Tensor:
     return kernel.repeat(module.groups, *([1] * (kernel.dim() - 1)))
 
 
-def weight_probe_terms(left: Tensor, u: Tensor, groups: int, projected: Tensor) -> Tensor:
+def weight_probe_terms(left: Tensor, projected: Tensor, u: Tensor, groups: int) -> Tensor:
     """``[B, G, n, T]``: ``(left u)`` per group times ``projected`` (``[B, G*n, *]``, the other
     side already contracted with ``v``); ``left [B, C, *]`` holds the weight's first dim."""
     batch, channels = left.shape[:2]

@@ -27,16 +27,13 @@ from ..capture import Call
 from ..unseen import Probe
 from .base import Rule, hess_from_grad1, register_rule
 from .conv import (
-    add_probe_sums,
     add_spatial_sums,
-    bias_probe_terms,
     check_batched,
     layer_input,
+    probe_convolution,
     probe_kernel,
     sample_chunks,
     unfold_columns,
-    weight_probe_from_samples,
-    weight_probe_terms,
 )
 from .linear import add_outer_products
 
@@ -148,22 +145,11 @@ class ConvTransposeRule(Rule):
         convolution of the cropped output gradient with ``v`` as a kernel (``n`` channels per
         group); rounding from the terms of each sample and position. The weight's from
         ``out`` when :meth:`grad1` wrote it (see :meth:`ConvRule.probe`)."""
-        result = {}
-        for name, (u, v) in probes.items():
-            if name == "weight" and out is not None and "weight" in out:
-                result[name] = weight_probe_from_samples(out, u, v, scale)
-                continue
-            value = rounding = None
-            for call in calls:
-                grad_output, x = call.backprop(), layer_input(call)
-                if name == "weight":
-                    padded = crop_pad_grad_output(module, grad_output, x.shape[2:])
-                    convolve = (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
-                    projected = convolve(padded, probe_kernel(module, v), None, module.stride,
-                                         0, module.dilation, module.groups)
-                    terms = weight_probe_terms(x, u, module.groups, projected)
-                else:
-                    terms = bias_probe_terms(grad_output, u, v)
-                value, rounding = add_probe_sums(value, rounding, terms)
-            result[name] = (value, rounding)
-        return result
+        convolve = (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
+
+        def weight_sides(call: Call, v: Tensor) -> tuple[Tensor, Tensor]:
+            x = layer_input(call)
+            padded = crop_pad_grad_output(module, call.backprop(), x.shape[2:])
+            return x, convolve(padded, probe_kernel(module, v), None, module.stride, 0,
+                               module.dilation, module.groups)
+        return probe_convolution(module.groups, calls, probes, scale, out, weight_sides)

@@ -62,20 +62,15 @@ class AffineNormRule(Rule):
         """``x_hat``, same shape as ``x`` (batch first), with the statistics of the forward."""
         raise NotImplementedError
 
-    def per_sample(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str],
-                   magnitude: bool = False) -> dict[str, Tensor]:
+    def per_sample(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+                   ) -> dict[str, Tensor]:
         """``{name: [B, *param.shape]}`` for ``names`` (of weight, bias): unscaled, all calls
-        summed. ``magnitude``: the same sums of ``|g| (|x_hat| + 1)`` and ``|g|`` instead, the
-        size of the terms (``x_hat`` is O(1) by construction; where it cancels to about 0, one
-        value per group or constant features, its rounding is about ``eps`` times 1)."""
+        summed."""
         result: dict[str, Tensor] = {}
         for call in calls:
             grads = call.backprop()
             x_hat = self.normalize(module, call, call.activation()) if "weight" in names \
                 else None
-            if magnitude:
-                grads = grads.abs()
-                x_hat = None if x_hat is None else x_hat.abs_().add_(1)
             features = module._parameters[names[0]].numel()
             if self.channels_first:
                 weight, bias = sums_channels_first(x_hat, grads)
@@ -110,7 +105,7 @@ class AffineNormRule(Rule):
               scale: float, out: Mapping[str, Tensor] | None = None
               ) -> dict[str, tuple[Tensor, Tensor]]:
         """Projections of the batch-summed gradients (no re-run of the module, no per-sample
-        tensor); the rounding scale from the magnitude of the terms (see :meth:`per_sample`),
+        tensor); the rounding scale from the magnitude of the terms (see :meth:`batch_sums`),
         both from one normalization per call."""
         sums = self.batch_sums(module, calls, list(probes))
         result = {}
@@ -119,24 +114,30 @@ class AffineNormRule(Rule):
             result[n] = (project(value, (u, v)), project(size, (u.abs(), v.abs())))
         return result
 
+    def feature_rows(self, t: Tensor, features: int) -> Tensor:
+        """``t`` (batch first, the input's layout) as ``[N, features]``: one row per sample and
+        position (a view where the layout allows)."""
+        if self.channels_first:
+            return t.transpose(0, 1).reshape(t.shape[1], -1).t()
+        return t.reshape(-1, features)
+
     def batch_sums(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
                    ) -> dict[str, tuple[Tensor, Tensor]]:
         """``{name: (sum over samples of grad1 (unscaled), sum of the magnitudes of its
-        terms)}``, each of the parameter's shape; see :meth:`per_sample`."""
+        terms)}``, each of the parameter's shape. The magnitudes are the sums of
+        ``|g| (|x_hat| + 1)`` and ``|g|``: ``x_hat`` is O(1) by construction, and where it
+        cancels to about 0 (one value per group, constant features) its rounding is about
+        ``eps`` times 1."""
         result: dict[str, tuple[Tensor, Tensor]] = {}
         features = module._parameters[names[0]].numel()
         for call in calls:
-            grads = call.backprop()
-            rows = (grads.transpose(0, 1).reshape(grads.shape[1], -1).t()
-                    if self.channels_first else grads.reshape(-1, features))  # [N, F]
-            # sizes sum |g| (|x_hat| + 1); in place in the one temporary, x_hat (fresh tensors
-            # of this size cost more in page faults than the arithmetic)
+            rows = self.feature_rows(call.backprop(), features)
+            # in place in the one temporary, x_hat (fresh tensors of this size cost more in
+            # page faults than the arithmetic)
             if "weight" in names:
                 x_hat = self.normalize(module, call, call.activation())
-                work = (x_hat.transpose(0, 1).reshape(x_hat.shape[1], -1).t()
-                        if self.channels_first else x_hat.reshape(-1, features))
-                products = work.mul_(rows)
-                weight_value, weight_size = products.sum(0), products.abs_().sum(0)
+                work = self.feature_rows(x_hat, features).mul_(rows)
+                weight_value, weight_size = work.sum(0), work.abs_().sum(0)
             else:
                 work = torch.empty_like(rows)
             bias_size = torch.abs(rows, out=work).sum(0)
