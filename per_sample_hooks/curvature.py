@@ -41,7 +41,11 @@ position ``t``, with a constant 1 appended when the layer has a trainable bias.
   ``[C_out, C_in/groups * prod(kernel)]``, with the trainable bias as its last column
   (``da = in + 1``). Grouped conv: ``A [groups, da, da]``, ``G [groups, dg/groups, dg/groups]``
   (``W`` viewed as ``[groups, dg/groups, da]``, block diagonal). With ``T = 1`` both agree,
-  and for a deep linear network, MSE, one sample, ``kron(G, A)`` is exact.
+  and for a deep linear network, MSE, one sample, ``kron(G, A)`` is exact. Storage: a
+  factor's rows start on 64-byte boundaries (a 785-wide factor has row stride 800, so it is
+  not ``is_contiguous()``; call ``.contiguous()`` before ``.view``); it is symmetric up to the
+  rounding of one matrix product; it is reused at the next ``compute_kfac`` once you no
+  longer hold it (clone what you keep).
 - ``compute_fisher_diag``: ``sum_i sum_k J_ik^2`` per parameter (``N`` times the diagonal of
   the (empirical) Fisher / GGN of the mean loss); ``compute_grad_variance``: the population
   variance ``1/N sum_i (g_i - mean g)^2`` of the per-sample gradients;

@@ -110,8 +110,9 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     state, step = prepare_step(model, loss_type, "compute_norms")
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
-    check_unseen_uses(state, step)
-    squared = _per_parameter_squared(model, step, "compute_norms")
+    keep = _kept_grads(state, step)  # as clip_grads: batched, and read again by the check
+    squared = _per_parameter_squared(model, step, "compute_norms", keep)
+    check_unseen_uses(state, step, keep.get)
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "compute_norms")
     if per_param:

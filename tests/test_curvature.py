@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 import per_sample_hooks as psh
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
+from per_sample_hooks.rules.kronecker import ROW_ALIGN
 
 DT = torch.float64
 
@@ -462,8 +463,12 @@ def test_kfac_factors_held_by_the_caller_are_never_overwritten() -> None:
             assert torch.equal(a, kept[module][0]) and torch.equal(g, kept[module][1])
             assert a.data_ptr() != second[module][0].data_ptr()
         expected = {m: (a.clone(), g.clone()) for m, (a, g) in second.items()}
+        storage = {m: (a.data_ptr(), g.data_ptr()) for m, (a, g) in second.items()}
         del first, second
         again = factors(x2)
         for module, (a, g) in again.items():
             torch.testing.assert_close(a, expected[module][0], rtol=0, atol=0)
             torch.testing.assert_close(g, expected[module][1], rtol=0, atol=0)
+            assert (a.data_ptr(), g.data_ptr()) == storage[module]  # reused, not reallocated
+            for factor in (a, g):  # rows start on 64-byte boundaries
+                assert factor.stride(-2) % ROW_ALIGN == 0 and factor.stride(-1) == 1

@@ -13,11 +13,19 @@ calls of one module are several parts whose positions add up. See
 with ``a`` the activations (a constant 1 appended when the layer has a trainable bias) and
 ``g`` the captured output gradients.
 
-Cost: only the upper block triangle of each ``rows^T rows`` is multiplied (``addmm`` /
-``baddbmm`` per column block, scalings folded into ``alpha``), then mirrored; the bias
-coordinate is never materialized (its row is the column sums); conv patches and output
-gradients, transposed views, are multiplied a sample at a time rather than copied; a factor's
-storage is reused at the next call for the same module once nobody holds the factor.
+Cost: one ``addmm`` / ``baddbmm`` per product (scalings folded into ``alpha``) into a factor
+whose rows start on 64-byte boundaries (:data:`ROW_ALIGN`; the factor returned is a view of
+that storage, not contiguous when ``F`` is not a multiple of it); the bias coordinate is never
+materialized (its row and column are the column sums); conv patches and output gradients,
+transposed views, are multiplied a sample at a time rather than copied; a factor's storage is
+reused at the next call for the same module once nobody holds the factor.
+
+Measured (2 threads, ``[128, 784]`` / ``[128, 512]`` rows, and ``[64, 9216]``, the seed-001
+CNN's fc1): rows of an odd length (785 = 784 + bias) make the product 1.1x (MLP) to 1.6x
+(fc1: 157 against 96 ms) slower than rows padded to 16 elements; multiplying only the upper
+block triangle and mirroring it, which saves up to half the work on paper, was slower than the
+full product with 2 threads (the smaller products parallelize worse and the mirror's
+transposed copies cost about what they save).
 """
 from __future__ import annotations
 
@@ -30,32 +38,8 @@ from torch import Tensor
 Approx = Literal["expand", "reduce"]
 APPROXIMATIONS = ("expand", "reduce")
 
-MIN_BLOCK = 128
-"""Smallest column block of a symmetric product (narrower products lose more to the smaller
-matmuls than the skipped triangle saves)."""
-MAX_BLOCKS = 4
-"""Most column blocks of a symmetric product: ``(k+1)/(2k)`` of the full product's work.
-Measured (1 thread, rows ``[128, f]``): f = 784: 2.3 ms against 3.6 ms for the full product,
-f = 512: 0.70 ms against 1.14 ms (the mirror's transposed copies cost about a third of the
-saving)."""
-MIN_ROWS = 96
-"""Fewest rows for which the triangle pays: the mirror's transposed copy costs about as much
-per element as a product over 64 rows (measured: ``[64, 9216]``, the seed-001 CNN's fc1, gains
-nothing; ``[128, 512]`` gains 40%)."""
-MIRROR_TILE = 1024
-"""Columns of the lower triangle copied at once by :func:`mirror_upper` (measured: smaller
-tiles are slower for the 513 and 785 factors of the MLP, 0.20 against 0.16 ms at 256)."""
-
-
-def block_bounds(features: int, rows: int) -> list[int]:
-    """Column block bounds ``[0, s_1, ..., features]`` of a symmetric product of ``rows [m, f]``:
-    one block (the full product) below ``2 * MIN_BLOCK`` features or ``MIN_ROWS`` rows, else at
-    most ``MAX_BLOCKS`` blocks of at least ``MIN_BLOCK``. Only the upper block triangle is
-    multiplied: ``(k+1)/(2k)`` of the work for ``k`` blocks."""
-    if features < 2 * MIN_BLOCK or rows < MIN_ROWS:
-        return [0, features]
-    size = max(MIN_BLOCK, -(-features // MAX_BLOCKS))
-    return [*range(0, features, size), features]
+ROW_ALIGN = 16
+"""Row stride of a factor's storage, in elements: a multiple of this (64 bytes in float32)."""
 
 
 def matmul_into(out: Tensor, left: Tensor, right: Tensor, alpha: float, beta: float) -> None:
@@ -67,41 +51,28 @@ def matmul_into(out: Tensor, left: Tensor, right: Tensor, alpha: float, beta: fl
         torch.baddbmm(out, left, right, beta=beta, alpha=alpha, out=out)
 
 
-def add_upper_gram(out: Tensor, rows: Tensor, bounds: Sequence[int], ones: float | None,
-                   alpha: float, beta: float) -> None:
-    """Upper block triangle of ``out = beta * out + alpha * [rows, ones]^T [rows, ones]``.
+def add_gram(out: Tensor, rows: Tensor, ones: float | None, alpha: float, beta: float) -> None:
+    """``out = beta * out + alpha * [rows, ones]^T [rows, ones]``.
 
     ``rows [(Gr,) m, f]``, ``out [(Gr,) F, F]`` with ``F = f + 1`` when ``ones`` is given
     (the homogeneous coordinate of a bias: value ``ones`` on every row, never materialized:
-    its column is the column sums, its corner ``m * ones^2``), else ``F = f``. Blocks below
-    the diagonal of the column blocks ``bounds`` (:func:`block_bounds`, the same for every
-    product into ``out``) are left as they were; :func:`mirror_upper` fills them.
+    its row and column are the column sums, its corner ``m * ones^2``), else ``F = f``.
     """
     features = rows.shape[-1]
-    for start, stop in zip(bounds, bounds[1:]):
-        matmul_into(out[..., start:stop, start:features], rows[..., start:stop].mT,
-                    rows[..., start:], alpha, beta)
+    matmul_into(out[..., :features, :features], rows.mT, rows, alpha, beta)
     if ones is not None:
-        column, corner = out[..., :features, features], out[..., features, features]
+        column, row = out[..., :features, features], out[..., features, :features]
+        corner = out[..., features, features]
         sums = rows.sum(-2).mul_(alpha * ones)
         value = alpha * rows.shape[-2] * ones * ones
         if beta == 0:
             column.copy_(sums)
+            row.copy_(sums)
             corner.fill_(value)
         else:
             column.add_(sums)
+            row.add_(sums)
             corner.add_(value)
-
-
-def mirror_upper(out: Tensor, bounds: Sequence[int]) -> Tensor:
-    """Copy the upper block triangle written by :func:`add_upper_gram` (column blocks
-    ``bounds``) onto the lower one: ``out [(Gr,) F, F]`` symmetric, returned."""
-    size = out.shape[-1]
-    for start, stop in zip(bounds, bounds[1:]):
-        for column in range(stop, size, MIRROR_TILE):  # tiles: transposed copies stay cached
-            end = min(size, column + MIRROR_TILE)
-            out[..., column:end, start:stop].copy_(out[..., start:stop, column:end].mT)
-    return out
 
 
 def sample_rows(x: Tensor) -> list[Tensor]:
@@ -134,23 +105,22 @@ def only_cached(buffer: Tensor) -> bool:
 def new_factor(like: Tensor, features: int, ones: bool,
                spare: MutableMapping[str, Tensor] | None = None, kind: str = "") -> Tensor:
     """Uninitialized ``[(Gr,) F, F]`` for rows ``like [(Gr,) m, features]``,
-    ``F = features (+1)``.
+    ``F = features (+1)``: a view of storage whose rows are :data:`ROW_ALIGN`-aligned.
 
     With ``spare`` (the caller's storage for one module, kept across steps), the storage of the
     factor returned for ``kind`` last time is reused when nobody holds it any more: a fresh
     340 MB factor (the seed-001 CNN's fc1) costs about 150 ms of page faults, more than its
-    product. A
-    factor the caller still holds is never overwritten (a fresh one is made instead).
+    product. A factor the caller still holds is never overwritten (a fresh one is made).
     """
     size = features + int(ones)
-    shape = (*like.shape[:-2], size, size)
-    if spare is None:
-        return like.new_empty(shape)
-    buffer = spare.get(kind)
+    shape = (*like.shape[:-2], size, size + (-size) % ROW_ALIGN)
+    buffer = None if spare is None else spare.get(kind)
     if (buffer is None or buffer.shape != shape or buffer.dtype != like.dtype
             or buffer.device != like.device or not only_cached(buffer)):
-        buffer = spare[kind] = like.new_empty(shape)
-    return buffer
+        buffer = like.new_empty(shape)
+        if spare is not None:
+            spare[kind] = buffer
+    return buffer[..., :size]
 
 
 def as_grouped(factor: Tensor, rows: Tensor) -> Tensor:
@@ -164,11 +134,10 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
 
     Each chunk lists one ``[n, Gr, T_c, f]`` tensor per call (the same samples); the chunks
     cover the batch of ``batch`` samples once. Positions of all calls count together. The
-    ``1/(N T)`` (``1/(N T^2)``) scaling goes into the products; only the upper block triangle
-    is multiplied, then mirrored; the bias coordinate is never materialized. ``spare``: see
-    :func:`new_factor`.
+    ``1/(N T)`` (``1/(N T^2)``) scaling goes into the products; the bias coordinate is never
+    materialized. ``spare``: see :func:`new_factor`.
     """
-    acc, bounds, beta = None, [], 0.0
+    acc, beta = None, 0.0
     for parts in chunks:
         positions = sum(x.shape[2] for x in parts)
         denominator = batch * positions * (positions if approx == "reduce" else 1)
@@ -181,10 +150,9 @@ def input_factor(chunks: Iterable[Sequence[Tensor]], batch: int, ones: bool, app
         for rows, coordinate in terms:
             if acc is None:
                 acc = new_factor(rows, rows.shape[-1], ones, spare, "A")
-                bounds = block_bounds(rows.shape[-1], rows.shape[-2])
-            add_upper_gram(acc, rows, bounds, coordinate if ones else None, alpha, beta)
+            add_gram(acc, rows, coordinate if ones else None, alpha, beta)
             beta = 1.0
-    return as_grouped(mirror_upper(acc, bounds), rows)
+    return as_grouped(acc, rows)
 
 
 def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Approx,
@@ -192,7 +160,7 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
     """``G [Gr, dg, dg]`` from captured output gradients: one list per backward pass, one
     ``[B, Gr, T_c, p]`` tensor per call; ``scale`` goes into the products. ``spare``: see
     :func:`new_factor`."""
-    acc, bounds, beta = None, [], 0.0
+    acc, beta = None, 0.0
     for parts in passes:
         if approx == "expand":
             terms = [rows for g in parts for rows in sample_rows(g)]
@@ -202,10 +170,9 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
         for rows in terms:
             if acc is None:
                 acc = new_factor(rows, rows.shape[-1], False, spare, "G")
-                bounds = block_bounds(rows.shape[-1], rows.shape[-2])
-            add_upper_gram(acc, rows, bounds, None, scale, beta)
+            add_gram(acc, rows, None, scale, beta)
             beta = 1.0
-    return as_grouped(mirror_upper(acc, bounds), rows)
+    return as_grouped(acc, rows)
 
 
 def check_approx(approx: str, caller: str) -> None:
