@@ -11,8 +11,10 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
 - ``psh norms``: per_sample_hooks ``compute_norms`` after the backward (no clipping).
 - ``psh clip``: per_sample_hooks ``clip_grads`` (max_norm 1) after the ordinary backward.
 - ``psh clip outputs-bwd``: the backward asks autograd for the hooked layers' output gradients
-  only (``OutputEdges.backward``, what ``DPSGD.backward`` does after its first step), skipping
-  the parameter gradients that ``clip_grads`` rebuilds clipped anyway; then ``clip_grads``.
+  only (``OutputEdges(model, form_on_arrival=True).backward``, what ``DPSGD.backward`` does
+  after its first step), skipping the parameter gradients that ``clip_grads`` rebuilds clipped
+  anyway, and forming per-sample gradients on arrival where they are smaller than the
+  captured pair; then ``clip_grads``.
 - ``psh norms outputs-bwd``: the same backward, then ``compute_norms`` (norms when the
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
 - ``opacus hooks+clip``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (noise 0): per-sample
@@ -160,7 +162,7 @@ def _psh(model, x, y, clip: bool):
 
 def _psh_outputs_backward(model, x, y, clip: bool):
     from per_sample_hooks.dp import OutputEdges
-    edges = OutputEdges(model)
+    edges = OutputEdges(model, form_on_arrival=True)  # as DPSGD's
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():

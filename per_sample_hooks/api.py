@@ -16,6 +16,7 @@ from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, live_states, u
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .rules import Rule, RuleRegistry, default_registry
 from .rules.fallback import FallbackRule, unit_parameters
+from .rules.formed import FormedRule
 from .unseen import UnseenUseCheck
 
 LossType = Literal["mean", "sum"]
@@ -253,6 +254,18 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
     layers, sizes = [], {}
     for module, name, calls in state.hooked_calls():
         rule = state.rules[module]
+        formed = [c.per_sample for c in calls if c.per_sample is not None]
+        if formed:  # its per-sample gradients were formed on arrival: they are all there is
+            if len(formed) != len(calls) or any(calls[0].grads):
+                raise PerSampleHooksError(
+                    f"{caller}: '{name}' received another gradient after its per-sample "
+                    "gradients were formed on arrival (OutputEdges(model, form_on_arrival="
+                    "True)) and its captured input was dropped: several backward passes of one "
+                    "forward need form_on_arrival=False")
+            sizes.setdefault(calls[0].batch_size, name)
+            layers.append(LayerWork(module, name, FormedRule(formed[0]), calls,
+                                    _owned(state, module)))
+            continue
         rule.check(module, calls, name)
         dtype = _parameter_dtype(module)
         with_grads = []
@@ -289,6 +302,41 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.consumed = True
     return state, Step(layers, batch_size, scale)
+
+
+@torch.no_grad()
+def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
+    """Form ``call``'s per-sample gradients now, as captured, into persistent buffers, and drop
+    its input and output gradient, when they hold more numbers than those gradients
+    (LayerNorm; Linear and convolutions on many positions): set as
+    :attr:`HookState.on_gradient` during a backward that only clipping or norms will read.
+
+    Only the plain case is formed: the module's only call of the step, one output, its first
+    backward pass, inputs unchanged, not a unit (the torch.func fallback, attention); anything
+    else keeps its record and is handled as usual."""
+    if (call.per_sample is not None or len(call.grads) != 1 or len(call.grads[0]) != 1
+            or module in state.units or len(state.calls[module]) != 1
+            or call.modified_inputs()):
+        return
+    params = _owned(state, module)
+    rule = state.rules[module]
+    held = call.grads[0][0].numel() + sum(a.numel() for a in call.args if isinstance(a, Tensor))
+    batch = rule.batch_size(module, call)
+    if not params or batch == 0 or 2 * batch * sum(p.numel() for p in params.values()) > held:
+        return
+    name = state.modules[module][0]
+    try:
+        rule.check(module, [call], name)
+    except PerSampleHooksError:
+        return  # reported by prepare_step, with the record intact
+    dtype = _parameter_dtype(module)
+    if dtype is not None and call.has_other_float_dtype(dtype):
+        call.cast_(dtype)
+    out = {n: state.buffer(module, f"formed {n}", batch, p) for n, p in params.items()}
+    rule.grad1(module, [call], 1.0, out)
+    call.per_sample = out
+    call.args, call.kwargs, call.versions = (), {}, []
+    call.grads[0].clear()  # in place: the capture hook holds this list
 
 
 @torch.no_grad()
@@ -400,6 +448,6 @@ def per_sample_parameters(model: nn.Module) -> Sequence[nn.Parameter]:
 __all__ = [
     "add_hooks", "remove_hooks", "disable_hooks", "enable_hooks", "is_supported",
     "clear_backprops", "compute_grad1", "per_sample_parameters", "prepare_step",
-    "check_unseen_uses",
+    "check_unseen_uses", "form_on_arrival",
     "LossType",
 ]

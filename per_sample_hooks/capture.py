@@ -26,9 +26,14 @@ class Call:
     ``grads[j]`` lists, one per backward pass, the gradients reaching output leaf ``j``
     (leaves in ``torch.utils._pytree`` order). Batch dims are as the module saw them;
     :meth:`activation` and :meth:`backprop` move the batch dim to the front.
+
+    ``per_sample``: set (by whoever :attr:`HookState.on_gradient` calls) when the call's
+    per-sample gradients were formed as its output gradient arrived; its inputs and output
+    gradient are then dropped (``args`` empty, ``grads`` emptied in place).
     """
 
-    __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "__weakref__")
+    __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
+                 "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -41,10 +46,11 @@ class Call:
         # live counter: in-place changes after the forward cannot be detected there.
         self.versions = [None if compiling or not isinstance(a, Tensor) else a._version
                          for a in args]
+        self.per_sample: dict[str, Tensor] | None = None
 
     @property
     def has_grads(self) -> bool:
-        return any(self.grads)
+        return self.per_sample is not None or any(self.grads)
 
     @property
     def n_passes(self) -> int:
@@ -69,6 +75,8 @@ class Call:
 
     @property
     def batch_size(self) -> int:
+        if self.per_sample:
+            return next(iter(self.per_sample.values())).shape[0]
         for a in self.args:
             if isinstance(a, Tensor) and a.dim() > self.batch_dim:
                 return a.shape[self.batch_dim]
@@ -121,9 +129,10 @@ def _inside_torch_func(compiling: bool) -> bool:
     return not compiling and torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None) -> None:
+def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
+                     on_arrival: Callable[[], None] | None = None) -> None:
     """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); set
-    ``owner.backward_seen`` when one arrives.
+    ``owner.backward_seen`` and call ``on_arrival()`` when one arrives.
 
     A tensor hook on ``leaf`` (not a pre-hook on ``leaf.grad_fn``: it also fires when ``leaf``
     is an ``inputs=`` edge of ``autograd.grad``, as ``dp.OutputEdges`` uses). It sees the
@@ -139,6 +148,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
         if owner is not None:
             owner.backward_seen = True
         fired[0] = True
+        if on_arrival is not None:
+            on_arrival()
 
     fired = [False]
     leaf.register_hook(tensor_hook)
@@ -157,6 +168,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
             sink.append(grad.reshape(shape))
             if owner is not None:
                 owner.backward_seen = True
+            if on_arrival is not None:
+                on_arrival()
 
     node.register_prehook(base_pre_hook)
 
@@ -182,6 +195,7 @@ class HookState:
         self.backward_seen = False  # a captured output received a gradient in this step
         self.forward_after_backward: str | None = None  # first module called after a backward
         self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
+        self.step_buffers: dict[tuple[nn.Module, str], Tensor] = {}  # freed by clear()
         # storage add-ons reuse across steps, per (module, purpose); opaque to capture
         self.scratch: dict[tuple[nn.Module, str], dict[str, Tensor]] = {}
         self.handles: list[Any] = []
@@ -192,6 +206,9 @@ class HookState:
         # copy, so that its captured gradient is the one from outside the module only
         self.isolate_outputs: set[nn.Module] = set()
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
+        # called as on_gradient(module, call) after a gradient of a call's output is captured
+        # (set for the length of a backward by an add-on; opaque to capture)
+        self.on_gradient: Callable[[nn.Module, Call], None] | None = None
         for module, (_, batch_dim) in modules.items():
             hook = self._make_forward_hook(module, self.calls[module], batch_dim,
                                            self.modules[module][0])
@@ -232,9 +249,13 @@ class HookState:
                 self.forward_after_backward = name  # a second micro-batch: refused by compute_*
             args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
             call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
+
+            def arrived(call: Call = call) -> None:
+                if self.on_gradient is not None:
+                    self.on_gradient(owner, call)
             for grads, leaf in zip(call.grads, leaves):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    capture_gradient(leaf, grads, self)
+                    capture_gradient(leaf, grads, self, arrived)
             calls.append(call)
             return output
         return forward_hook
@@ -243,6 +264,7 @@ class HookState:
         """Forget every captured call (buffers stay for reuse)."""
         for calls in self.calls.values():
             calls.clear()
+        self.step_buffers.clear()
         for reset in self.on_clear:
             reset()
         self.consumed = False
@@ -274,17 +296,21 @@ class HookState:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def buffer(self, module: nn.Module, name: str, batch_size: int, param: Tensor) -> Tensor:
+    def buffer(self, module: nn.Module, name: str, batch_size: int, param: Tensor,
+               step_only: bool = False) -> Tensor:
         """A persistent ``[batch_size, *param.shape]`` buffer reused across steps, never zeroed.
 
         A smaller batch than before gets a view of the first rows of the existing buffer.
+        ``step_only``: held until the step's records are cleared (the next step's first
+        forward), not through the next step's forward and backward.
         """
         key = (module, name)
-        buf = self.buffers.get(key)
+        table = self.step_buffers if step_only else self.buffers
+        buf = table.get(key)
         if (buf is None or buf.shape[1:] != param.shape or buf.shape[0] < batch_size
                 or buf.dtype != param.dtype or buf.device != param.device):
             buf = torch.empty((batch_size, *param.shape), dtype=param.dtype, device=param.device)
-            self.buffers[key] = buf
+            table[key] = buf
         return buf if buf.shape[0] == batch_size else buf[:batch_size]
 
     def hooked_calls(self) -> Iterator[tuple[nn.Module, str, list[Call]]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -31,7 +32,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from . import distributed
-from .api import LossType, add_hooks
+from .api import LossType, add_hooks, form_on_arrival
 from .errors import PerSampleHooksError
 from .norms import _check_max_norm, clip_grads
 
@@ -88,11 +89,21 @@ class OutputEdges:
     the ordinary backward (one weight-gradient product per layer, about a third of its cost)
     are skipped: ``p.grad`` is left as it was. For :func:`~per_sample_hooks.clip_grads`, which
     rebuilds the gradients from the captured pairs anyway (book-keeping, Bu et al. 2023).
+
+    ``form_on_arrival=True``: as each layer's output gradient arrives, form its per-sample
+    gradients (into persistent buffers) and drop its captured input and output gradient when
+    those hold more numbers (:func:`~per_sample_hooks.api.form_on_arrival`: LayerNorm, Linear
+    and convolutions over many positions). This lowers the peak memory of a clipping step (the
+    captured pairs of such layers are not all held until the end of the backward) and makes
+    their clipped sum a contraction; the step then serves ``compute_grad1``, ``compute_norms``,
+    ``clip_grads`` and the second moments, but not ``compute_kfac``, and only one backward
+    pass of each forward.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, form_on_arrival: bool = False):
         state = add_hooks(model)
         self.edges: list[Any] = []
+        self.form_on_arrival = form_on_arrival
         self._state = state
         self._handles = [module.register_forward_hook(self._record)
                          for module in state.modules]
@@ -111,7 +122,12 @@ class OutputEdges:
                 "backward: no output of a hooked module was recorded since the last backward; "
                 "run the forward pass with grad enabled first")
         edges, self.edges = self.edges, []
-        torch.autograd.grad(loss, edges, allow_unused=True)
+        if self.form_on_arrival:
+            self._state.on_gradient = partial(form_on_arrival, self._state)
+        try:
+            torch.autograd.grad(loss, edges, allow_unused=True)
+        finally:
+            self._state.on_gradient = None
 
     def clear(self) -> None:
         self.edges = []
@@ -169,7 +185,7 @@ class DPSGD:
         # gradient once; the edge backward computes no parameter gradient to check against
         self.checked = False
         self._ordinary_backward = False
-        self.output_edges = OutputEdges(model)
+        self.output_edges = OutputEdges(model, form_on_arrival=True)
         self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
         if self.distributed:
             distributed.skip_gradient_allreduce(model)
@@ -203,7 +219,8 @@ class DPSGD:
         skip them, so a use that appears only in later steps goes unnoticed: call
         ``loss.backward()`` instead to check every step. Under DDP always a plain
         ``loss.backward()`` (DDP's reducer expects every parameter's gradient; its all-reduce
-        is off)."""
+        is off). The edge backward forms per-sample gradients on arrival where that holds
+        fewer numbers than the captured pair (:class:`OutputEdges`, ``form_on_arrival``)."""
         if self.distributed or not self.checked:
             self.output_edges.clear()
             loss.backward()

@@ -201,7 +201,7 @@ def single_pass(call: Call, index: int) -> Call:
     """A view of ``call`` holding only backward pass ``index`` (nothing copied)."""
     view = Call.__new__(Call)
     view.args, view.kwargs, view.batch_dim = call.args, call.kwargs, call.batch_dim
-    view.training, view.versions = call.training, call.versions
+    view.training, view.versions, view.per_sample = call.training, call.versions, None
     view.grads = [[passes[index]] if index < len(passes) else [] for passes in call.grads]
     return view
 
