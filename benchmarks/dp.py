@@ -14,7 +14,7 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
   only (``OutputEdges(model, form_on_arrival=True).backward``, what ``DPSGD.backward`` does
   after its first step), skipping the parameter gradients that ``clip_grads`` rebuilds clipped
   anyway, and forming per-sample gradients on arrival where they are smaller than the
-  captured pair; then ``clip_grads``.
+  captured pair; then ``clip_grads(release_records=True)`` (as ``DPSGD.step``).
 - ``psh norms outputs-bwd``: the same backward, then ``compute_norms`` (norms when the
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
 - ``opacus hooks+clip``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (noise 0): per-sample
@@ -169,7 +169,7 @@ def _psh_outputs_backward(model, x, y, clip: bool):
         optimizer.zero_grad(set_to_none=True)
         edges.backward(F.cross_entropy(model(x), y))
         if clip:
-            psh.clip_grads(model, MAX_NORM)
+            psh.clip_grads(model, MAX_NORM, release_records=True)  # as DPSGD's
         else:
             psh.compute_norms(model)
         optimizer.step()

@@ -251,6 +251,10 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
             "accumulation): the rows of different micro-batches would be added sample by "
             f"sample. Call {caller} after each backward (clone the results to keep them), or "
             "clear_backprops(model) before each micro-batch you do not need")
+    if state.released_by is not None:
+        raise PerSampleHooksError(
+            f"{caller}: {state.released_by} dropped this step's captured tensors; run a new "
+            "forward and backward (or leave release_records=False to read them again)")
     layers, sizes = [], {}
     for module, name, calls in state.hooked_calls():
         rule = state.rules[module]

@@ -112,6 +112,13 @@ class Call:
         self.grads = [[convert(g) for g in passes] for passes in self.grads]
         self.versions = [a._version if isinstance(a, Tensor) else None for a in self.args]
 
+    def release(self) -> None:
+        """Drop every captured tensor (the output gradients' lists in place: the capture hooks
+        hold them)."""
+        self.args, self.kwargs, self.versions, self.per_sample = (), {}, [], None
+        for passes in self.grads:
+            passes.clear()
+
     def modified_inputs(self) -> list[int]:
         """Positions of tensor inputs modified in place since the forward."""
         return [i for i, (a, v) in enumerate(zip(self.args, self.versions))
@@ -194,6 +201,7 @@ class HookState:
         self.consumed = False  # set by compute_*: the next forward starts a new step
         self.backward_seen = False  # a captured output received a gradient in this step
         self.forward_after_backward: str | None = None  # first module called after a backward
+        self.released_by: str | None = None  # the call that dropped this step's records
         self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
         self.step_buffers: dict[tuple[nn.Module, str], Tensor] = {}  # freed by clear()
         # storage add-ons reuse across steps, per (module, purpose); opaque to capture
@@ -270,6 +278,7 @@ class HookState:
         self.consumed = False
         self.backward_seen = False
         self.forward_after_backward = None
+        self.released_by = None
 
     def remove(self) -> None:
         """Remove every hook, captured tensor, buffer and ``grad1``/``hess`` attribute."""

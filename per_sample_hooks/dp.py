@@ -247,7 +247,8 @@ class DPSGD:
             norms, actual = distributed.clip_and_reduce(self.model, self.max_grad_norm,
                                                         self.loss_type)
         else:
-            norms = clip_grads(self.model, self.max_grad_norm, self.loss_type)
+            norms = clip_grads(self.model, self.max_grad_norm, self.loss_type,
+                               release_records=True)
             actual = len(norms)
             self.checked = self.checked or (self._ordinary_backward and actual > 0)
         self._ordinary_backward = False

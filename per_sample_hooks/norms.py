@@ -185,13 +185,18 @@ def _grad_target(p: nn.Parameter) -> Tensor:
 
 
 @torch.no_grad()
-def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") -> Tensor:
+def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", *,
+               release_records: bool = False) -> Tensor:
     """After one ordinary backward, replace ``p.grad`` with the per-sample-clipped gradient.
 
     ``p.grad = (1/B) sum_i c_i g_i`` (``loss_type="mean"``) or ``sum_i c_i g_i`` (``"sum"``) with
     ``g_i`` sample i's gradient and ``c_i = min(1, max_norm / (|g_i| + 1e-6))``; ``|g_i|`` is
     over all trainable parameters of hooked modules. No second backward: one matmul per layer
     from the captured activations and output gradients. Returns the unclipped norms ``[B]``.
+
+    ``release_records=True``: drop each layer's captured tensors as soon as its clipped
+    gradient is written, so that they and the new ``p.grad`` are not all held at once (what
+    :class:`~per_sample_hooks.dp.DPSGD` does; no other ``compute_*`` can read this step then).
     """
     _check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
@@ -208,6 +213,12 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
     coefficients = clipping_coefficients(norms, max_norm)
+    if release_records:
+        state.released_by = "clip_grads(release_records=True)"
+        for layer in step.layers:
+            if not layer.parameters:
+                for call in layer.calls:
+                    call.release()
     for layer in step.layers:
         if not layer.parameters:
             continue
@@ -218,6 +229,11 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean") 
             continue
         out = {name: _grad_target(p) for name, p in layer.parameters.items()}
         layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
+        if release_records:
+            for call in layer.calls:
+                call.release()
+    if release_records:
+        state.step_buffers.clear()
     return norms
 
 

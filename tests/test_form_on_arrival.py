@@ -189,3 +189,22 @@ def test_a_layer_used_twice_is_formed_neither_time_and_stays_exact():
     edges.backward(model(x).pow(2).sum((1, 2)).mean())
     assert not formed_names(model)
     torch.testing.assert_close(psh.compute_norms(model), total)
+
+
+def test_released_records_give_the_same_clipping_and_refuse_a_second_read():
+    model, inputs = make_case(4, 7, 5)
+    total, _, grads = loop_norms(model, inputs, loss_fn, "sum")
+    expected = loop_clipped(grads, total, 0.1, "sum")
+    for _ in range(2):  # the next step captures afresh
+        formed_backward(model, inputs, "sum")
+        norms = psh.clip_grads(model, 0.1, loss_type="sum", release_records=True)
+        torch.testing.assert_close(norms, total)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[n], rtol=1e-10, atol=1e-12)
+            p.grad = None
+        state = get_state(model)
+        assert not state.step_buffers
+        assert all(c.args == () and not any(c.grads) and c.per_sample is None
+                   for calls in state.calls.values() for c in calls)
+        with pytest.raises(PerSampleHooksError, match="release_records"):
+            psh.compute_norms(model)
