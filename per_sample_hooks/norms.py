@@ -213,22 +213,19 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
     coefficients = clipping_coefficients(norms, max_norm)
+    layers = step.layers
     if release_records:
         state.released_by = "clip_grads(release_records=True)"
-        for layer in step.layers:
-            if not layer.parameters:
-                for call in layer.calls:
-                    call.release()
-    for layer in step.layers:
-        if not layer.parameters:
-            continue
-        if not layer.calls:
+        # the largest new p.grad last, when the fewest records are left
+        layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
+    for layer in layers:
+        if layer.parameters and not layer.calls:
             for p in layer.parameters.values():
                 if p.grad is not None:
                     p.grad.zero_()
-            continue
-        out = {name: _grad_target(p) for name, p in layer.parameters.items()}
-        layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
+        elif layer.parameters:
+            out = {name: _grad_target(p) for name, p in layer.parameters.items()}
+            layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
         if release_records:
             for call in layer.calls:
                 call.release()
