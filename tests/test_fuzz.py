@@ -3,7 +3,8 @@ ConvTranspose 1-3d, RNN/LSTM/GRU, Embedding, LayerNorm, RMSNorm, GroupNorm, Inst
 BatchNorm in eval mode, MultiheadAttention (its native rule; ``PSH_FUZZ_ATTENTION=0`` leaves it
 out); random widths, kernel options,
 nesting, reuse, frozen parameters) and random batches, and checks ``compute_grad1``,
-``compute_norms``, ``clip_grads`` and (Linear layers) ``compute_kfac`` against the float64
+``compute_norms``, ``clip_grads`` (after an ordinary backward, and after DPSGD's backward that forms
+per-sample gradients on arrival) and (Linear layers) ``compute_kfac`` against the float64
 per-sample loop.
 
 Profiles, registered in ``tests/conftest.py`` and picked by ``PSH_FUZZ_PROFILE``:
@@ -29,6 +30,7 @@ from torch import nn
 import per_sample_hooks as psh
 from ground_truth import loop_grads, weighted_square
 from per_sample_hooks.curvature import compute_kfac
+from per_sample_hooks.dp import OutputEdges
 
 FUZZ = settings(settings.get_profile(FUZZ_PROFILE),
                 **({"max_examples": int(os.environ["PSH_FUZZ_EXAMPLES"])}
@@ -261,6 +263,7 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
         clip_norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
         clipped = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                    for n, p in model.named_parameters() if p.requires_grad}
+        formed = formed_step(model, x, loss_type, max_norm)
     finally:
         psh.remove_hooks(model)
     expected = loop_grads(model, [x], weighted_square, batch, batch_dim)
@@ -274,11 +277,38 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
     for n, g in loop_clipped(expected, total, max_norm, loss_type).items():
         torch.testing.assert_close(clipped[n], g, rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=n: f"clipped {n}: {m}")
+    formed_grad1, formed_norms, formed_clip_norms, formed_clipped = formed
+    torch.testing.assert_close(formed_norms, total, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(formed_clip_norms, total, rtol=1e-9, atol=1e-10)
+    for n, g in loop_clipped(expected, total, max_norm, loss_type).items():
+        torch.testing.assert_close(formed_grad1[n], expected[n], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"formed grad1 {n}: {m}")
+        torch.testing.assert_close(formed_clipped[n], g, rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"formed clipped {n}: {m}")
     expected_kfac = loop_kfac(model, x, loss_type, batch_dim)
     assert kfac.keys() == expected_kfac.keys()
     for module, (a, g) in expected_kfac.items():
         torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
         torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
+
+
+def formed_step(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: float) -> tuple:
+    """DPSGD's step on a hooked model: the output-edge backward forming per-sample gradients on
+    arrival, then grad1, norms and clipping with the records released."""
+    edges = OutputEdges(model, form_on_arrival=True)
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = weighted_square(model(x))
+        edges.backward(losses.mean() if loss_type == "mean" else losses.sum())
+        norms = psh.compute_norms(model, loss_type=loss_type)
+        psh.compute_grad1(model, loss_type=loss_type)
+        grad1 = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+        clip_norms = psh.clip_grads(model, max_norm, loss_type=loss_type, release_records=True)
+        clipped = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                   for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        edges.remove()
+    return grad1, norms, clip_norms, clipped
 
 
 def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int = 0
