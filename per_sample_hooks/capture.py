@@ -146,39 +146,47 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     gradient of the value the module returned even when an in-place op (``ReLU(inplace=True)``)
     later changes ``leaf`` -- unless ``leaf`` is a view: an in-place op on a view rebases its
     history and its hook never fires. A Linear on ``[B, *, d]`` returns a reshaped view of its
-    matmul, so for a view of a whole contiguous base a pre-hook on the base's node catches the
-    gradient of the base (= of the view, reshaped) in the passes where the view's hook did not
-    fire (the view's hook fires first when it fires at all).
+    matmul, so for a view of a whole contiguous base (:func:`gradient_tensor`) a tensor hook on
+    the base catches the gradient of the base (= of the view, reshaped) in the passes where
+    the view's hook did not fire (the view's hook fires first when it fires at all).
     """
-    def tensor_hook(grad: Tensor) -> None:
+    def arrived(grad: Tensor) -> None:
         sink.append(grad)
         if owner is not None:
             owner.backward_seen = True
-        fired[0] = True
         if on_arrival is not None:
             on_arrival()
 
+    def tensor_hook(grad: Tensor) -> None:
+        fired[0] = True
+        arrived(grad)
+
     fired = [False]
     leaf.register_hook(tensor_hook)
-    base = leaf._base
-    if base is None or base.grad_fn is None or base.numel() != leaf.numel() \
-            or not (base.is_contiguous() and leaf.is_contiguous()):
+    base = gradient_tensor(leaf)
+    if base is leaf:
         return
-    node, slot, shape = base.grad_fn, base.output_nr, leaf.shape
+    shape = leaf.shape
 
-    def base_pre_hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+    def base_hook(grad: Tensor) -> None:
         if fired[0]:  # the view's own hook had it
             fired[0] = False
             return
-        grad = grad_outputs[slot]
-        if grad is not None:
-            sink.append(grad.reshape(shape))
-            if owner is not None:
-                owner.backward_seen = True
-            if on_arrival is not None:
-                on_arrival()
+        arrived(grad.reshape(shape))
 
-    node.register_prehook(base_pre_hook)
+    base.register_hook(base_hook)
+
+
+def gradient_tensor(leaf: Tensor) -> Tensor:
+    """The tensor whose gradient is ``leaf``'s, reshaped, even after an in-place op on
+    ``leaf``: ``leaf``'s base when ``leaf`` is a view of all of a contiguous base with a
+    history, else ``leaf``. Ask autograd for this tensor's gradient edge (an in-place op on a
+    view takes the view's original edge out of the graph; the base's stays)."""
+    base = leaf._base
+    if base is None or base.grad_fn is None or base.numel() != leaf.numel() \
+            or not (base.is_contiguous() and leaf.is_contiguous()):
+        return leaf
+    return base
 
 
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:

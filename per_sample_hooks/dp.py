@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import distributed
 from .api import LossType, add_hooks, form_on_arrival
+from .capture import gradient_tensor
 from .errors import PerSampleHooksError
 from .norms import _check_max_norm, clip_grads
 
@@ -113,7 +114,7 @@ class OutputEdges:
             return
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, Tensor) and leaf.requires_grad:
-                self.edges.append(get_gradient_edge(leaf))
+                self.edges.append(get_gradient_edge(gradient_tensor(leaf)))
 
     def backward(self, loss: Tensor) -> None:
         """Backpropagate ``loss`` to the recorded outputs only; forget the records."""

@@ -211,6 +211,31 @@ def test_output_edges_backward_gives_the_same_clipped_grads(loss_type):
             torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("form_on_arrival", [False, True])
+def test_output_edges_see_a_view_output_changed_in_place(form_on_arrival):
+    """A Linear on [B, T, d] returns a view of its matmul; ReLU(inplace=True) then takes the
+    view's own edge out of the graph. The edge backward used to capture nothing for it: zero
+    norms and a clipped gradient of zero for that layer, silently."""
+    from norms_truth import loop_clipped, loop_norms
+
+    from per_sample_hooks.dp import OutputEdges
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 6, 3, dtype=torch.double)
+    loss_fn = lambda out: out.pow(2).sum((1, 2))  # noqa: E731
+    edges = OutputEdges(model, form_on_arrival=form_on_arrival)
+    edges.backward(loss_fn(model(x)).mean())
+    norms = psh.compute_norms(model, per_param=True)
+    psh.clip_grads(model, 0.5)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    edges.remove()
+    psh.remove_hooks(model)
+    total, per_param, grads = loop_norms(model, [x], loss_fn, "mean")
+    for n, expected in loop_clipped(grads, total, 0.5, "mean").items():
+        torch.testing.assert_close(norms[n], per_param[n])
+        torch.testing.assert_close(got[n], expected)
+
+
 def test_dp_backward_matches_loss_backward():
     idx = torch.arange(6)
     model, dp = _setup(noise=0.0, accountant=None)
