@@ -308,10 +308,18 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
     return state, Step(layers, batch_size, scale)
 
 
+FORM_RATIO = 2
+"""``form_on_arrival`` forms a call's per-sample gradients when its captured input and output
+gradient hold at least this many times as many numbers. Forming replaces the pair only after
+the fact: while the layer's backward runs, autograd still holds the input, so the new buffer
+adds to the memory of that moment (measured on the T=256 token model: forming its Linear
+layers too, at a ratio of 0.8, raised the step's peak from 1.23x to 1.35x a plain step)."""
+
+
 @torch.no_grad()
 def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     """Form ``call``'s per-sample gradients now, as captured, into persistent buffers, and drop
-    its input and output gradient, when they hold more numbers than those gradients
+    its input and output gradient, when those hold :data:`FORM_RATIO` times as many numbers
     (LayerNorm; Linear and convolutions on many positions): set as
     :attr:`HookState.on_gradient` during a backward that only clipping or norms will read.
 
@@ -326,7 +334,8 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     rule = state.rules[module]
     held = call.grads[0][0].numel() + sum(a.numel() for a in call.args if isinstance(a, Tensor))
     batch = rule.batch_size(module, call)
-    if not params or batch == 0 or 2 * batch * sum(p.numel() for p in params.values()) > held:
+    if not params or batch == 0 or \
+            FORM_RATIO * batch * sum(p.numel() for p in params.values()) > held:
         return
     name = state.modules[module][0]
     try:
@@ -338,9 +347,8 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
         call.cast_(dtype)
     out = {n: state.buffer(module, f"formed {n}", batch, p) for n, p in params.items()}
     rule.grad1(module, [call], 1.0, out)
+    call.release()
     call.per_sample = out
-    call.args, call.kwargs, call.versions = (), {}, []
-    call.grads[0].clear()  # in place: the capture hook holds this list
 
 
 @torch.no_grad()
