@@ -93,12 +93,12 @@ class OutputEdges:
 
     ``form_on_arrival=True``: as each layer's output gradient arrives, form its per-sample
     gradients (into persistent buffers) and drop its captured input and output gradient when
-    those hold more numbers (:func:`~per_sample_hooks.api.form_on_arrival`: LayerNorm, Linear
-    and convolutions over many positions). This lowers the peak memory of a clipping step (the
-    captured pairs of such layers are not all held until the end of the backward) and makes
-    their clipped sum a contraction; the step then serves ``compute_grad1``, ``compute_norms``,
-    ``clip_grads`` and the second moments, but not ``compute_kfac``, and only one backward
-    pass of each forward.
+    those hold at least twice as many numbers (:func:`~per_sample_hooks.api.form_on_arrival`:
+    LayerNorm, Linear and convolutions over many positions). This lowers the peak memory of a
+    clipping step (the captured pairs of such layers are not all held until the end of the
+    backward) and makes their clipped sum a contraction; the step then serves
+    ``compute_grad1``, ``compute_norms``, ``clip_grads`` and the second moments, but not
+    ``compute_kfac``, and only one backward pass of each forward.
     """
 
     def __init__(self, model: nn.Module, *, form_on_arrival: bool = False):
