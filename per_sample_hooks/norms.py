@@ -9,6 +9,8 @@ per-sample gradients (each rule picks its cheapest exact path; see ``rules/ghost
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +18,7 @@ from torch import Tensor, nn
 from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
 from .capture import HookState
 from .errors import PerSampleHooksError
-from .rules.base import KeptGrads
+from .rules.base import KeptGrads, contract_samples
 
 CLIP_EPSILON = 1e-6
 """``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
@@ -64,13 +66,17 @@ def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
 
 
 def _per_parameter_squared(model: nn.Module, step: Step, caller: str,
-                           keep: KeptGrads | None = None) -> dict[str, Tensor]:
+                           keep: KeptGrads | None = None,
+                           after: Callable[[LayerWork], None] | None = None
+                           ) -> dict[str, Tensor]:
     names = _parameter_names(model, step, caller)
     result = {}
     for layer in step.layers:
         squared = _layer_norms_squared(layer, step, keep)
         for local in layer.parameters:
             result[names[id(layer)][local]] = squared[local]
+        if after is not None:
+            after(layer)
     return result
 
 
@@ -162,18 +168,44 @@ def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
                 "rule (register_rule) before add_hooks")
 
 
-def _kept_grads(state: HookState, step: Step) -> KeptGrads:
-    captured = 0
-    for layer in step.layers:
-        for call in layer.calls:
-            captured += sum(a.numel() for a in call.args if isinstance(a, Tensor))
-            captured += sum(g.numel() for passes in call.grads for g in passes)
+def _captured(layer: LayerWork) -> int:
+    """Numbers the captured calls of ``layer`` hold (inputs and output gradients)."""
+    return sum(sum(a.numel() for a in call.args if isinstance(a, Tensor))
+               + sum(g.numel() for passes in call.grads for g in passes) for call in layer.calls)
 
+
+def _kept_grads(state: HookState, step: Step, per_layer: bool = False) -> KeptGrads:
+    """``per_layer``: each layer may keep as many numbers as its records hold (which are
+    released once it has kept everything: :func:`_release_if_kept`), else ``KEEP_FRACTION``
+    of all records, shared."""
     def buffer_for(module: nn.Module, name: str, param: Tensor, batch: int) -> Tensor:
         # step-scoped: a persistent one would be held through the next forward and backward,
         # on top of their peak (measured: +32 MiB, 0.16x a plain step, on the T=256 tokens)
         return state.buffer(module, f"kept {name}", batch, param, step_only=True)
-    return KeptGrads(int(KEEP_FRACTION * captured), buffer_for)
+    if per_layer:
+        return KeptGrads(0, buffer_for, {id(w.module): _captured(w) for w in step.layers})
+    return KeptGrads(int(KEEP_FRACTION * sum(_captured(w) for w in step.layers)), buffer_for)
+
+
+def _fully_kept(layer: LayerWork, keep: KeptGrads) -> bool:
+    return bool(layer.parameters) and all(keep.get(layer.module, n) is not None
+                                          for n in layer.parameters)
+
+
+def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads) -> None:
+    """When ``layer``'s norms kept its weight's per-sample gradients, keep the rest too (a
+    bias's are small) and drop its records: its clipped sum is then a contraction."""
+    if not layer.calls or not any(keep.get(layer.module, n) is not None
+                                  for n in layer.parameters):
+        return
+    for name in layer.parameters:
+        if keep.get(layer.module, name) is None:
+            buffer = keep.reserve(layer.module, name, batch)
+            if buffer is None:
+                return
+            layer.rule.grad1(layer.module, layer.calls, 1.0, {name: buffer})
+    for call in layer.calls:
+        call.release()
 
 
 def _grad_target(p: nn.Parameter) -> Tensor:
@@ -206,8 +238,15 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
             for p in layer.parameters.values():
                 _grad_target(p).zero_()
         return _empty_batch_norms(model, step, per_param=False)
-    keep = _kept_grads(state, step)
-    squared = _per_parameter_squared(model, step, "clip_grads", keep)
+    # records released as soon as a layer's per-sample gradients are all kept; only when the
+    # unseen-use check has nothing to compare (the output-edge backward computes no parameter
+    # gradient), since confirming a failed check re-runs the captured calls
+    early = release_records and not (state.unseen is not None and state.unseen.totals)
+    keep = _kept_grads(state, step, per_layer=early)
+    if early:
+        state.released_by = "clip_grads(release_records=True)"
+    after = partial(_release_if_kept, batch=step.batch_size, keep=keep) if early else None
+    squared = _per_parameter_squared(model, step, "clip_grads", keep, after)
     check_unseen_uses(state, step, keep.get)  # probes from the kept per-sample gradients
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "clip_grads")
@@ -223,6 +262,9 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
             for p in layer.parameters.values():
                 if p.grad is not None:
                     p.grad.zero_()
+        elif _fully_kept(layer, keep):
+            for name, p in layer.parameters.items():
+                contract_samples(_grad_target(p), keep.get(layer.module, name), coefficients)
         elif layer.parameters:
             out = {name: _grad_target(p) for name, p in layer.parameters.items()}
             layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)

@@ -29,18 +29,24 @@ class KeptGrads:
     ``weighted_sum`` contracts them with the weights instead of recomputing them.
     """
 
-    def __init__(self, budget: int, buffer_for: Callable[[nn.Module, str, Tensor, int], Tensor]):
+    def __init__(self, budget: int, buffer_for: Callable[[nn.Module, str, Tensor, int], Tensor],
+                 per_module: dict[int, int] | None = None):
         self.budget = budget
         self._buffer_for = buffer_for
         self._kept: dict[tuple[int, str], Tensor] = {}
+        self.per_module = per_module  # a budget per id(module) instead of ``budget``
 
     def reserve(self, module: nn.Module, name: str, batch: int) -> Tensor | None:
         """A ``[batch, *param.shape]`` buffer to fill, or None when over the budget."""
         param = module.get_parameter(name)
         size = batch * param.numel()
-        if size > self.budget:
+        left = self.budget if self.per_module is None else self.per_module.get(id(module), 0)
+        if size > left:
             return None
-        self.budget -= size
+        if self.per_module is None:
+            self.budget -= size
+        else:
+            self.per_module[id(module)] = left - size
         buffer = self._buffer_for(module, name, param, batch)
         self._kept[(id(module), name)] = buffer
         return buffer
