@@ -310,15 +310,15 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
 
 FORM_RATIO = 2
 """``form_on_arrival`` forms a call's per-sample gradients when its captured input and output
-gradient hold at least this many times as many numbers. Forming replaces the pair only after
-the fact: while the layer's backward runs, autograd still holds the input, so the new buffer
-adds to the memory of that moment (measured on the T=256 token model: forming its Linear
-layers too, at a ratio of 0.8, raised the step's peak from 1.23x to 1.35x a plain step)."""
+gradient hold at least this many times as many numbers. Measured on the T=256 token model: a
+ratio of 1, which also forms its Linear layers (per-sample gradients 0.8x their pair), gave the
+same peak memory (1.16x against 1.15x a plain step) and time within noise; 2 leaves more layers
+with their records, so more of them serve ``compute_kfac``."""
 
 
 @torch.no_grad()
 def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
-    """Form ``call``'s per-sample gradients now, as captured, into persistent buffers, and drop
+    """Form ``call``'s per-sample gradients now, as captured, into step-scoped buffers, and drop
     its input and output gradient, when those hold :data:`FORM_RATIO` times as many numbers
     (LayerNorm; Linear and convolutions on many positions): set as
     :attr:`HookState.on_gradient` during a backward that only clipping or norms will read.
@@ -345,7 +345,8 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     dtype = _parameter_dtype(module)
     if dtype is not None and call.has_other_float_dtype(dtype):
         call.cast_(dtype)
-    out = {n: state.buffer(module, f"formed {n}", batch, p) for n, p in params.items()}
+    out = {n: state.buffer(module, f"formed {n}", batch, p, step_only=True)
+           for n, p in params.items()}
     rule.grad1(module, [call], 1.0, out)
     call.release()
     call.per_sample = out

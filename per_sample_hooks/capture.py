@@ -142,7 +142,7 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     ``owner.backward_seen`` and call ``on_arrival()`` when one arrives.
 
     A tensor hook on ``leaf`` (not a pre-hook on ``leaf.grad_fn``: it also fires when ``leaf``
-    is an ``inputs=`` edge of ``autograd.grad``, as ``dp.OutputEdges`` uses). It sees the
+    is an ``inputs=`` edge of the backward, as ``dp.OutputEdges`` uses). It sees the
     gradient of the value the module returned even when an in-place op (``ReLU(inplace=True)``)
     later changes ``leaf`` -- unless ``leaf`` is a view: an in-place op on a view rebases its
     history and its hook never fires. A Linear on ``[B, *, d]`` returns a reshaped view of its
