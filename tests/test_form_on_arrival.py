@@ -209,3 +209,25 @@ def test_released_records_give_the_same_clipping_and_refuse_a_second_read():
                    for calls in state.calls.values() for c in calls)
         with pytest.raises(PerSampleHooksError, match="release_records"):
             psh.compute_norms(model)
+
+
+def test_sequence_first_layers_are_formed_exactly():
+    """batch_dim=1 ([T, B, d] inputs): the formed per-sample gradients take the batch from the
+    module's own layout."""
+    from ground_truth import loop_grads
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2), nn.Tanh()).double()
+    x = torch.randn(12, 4, 3, dtype=torch.double)  # [T, B, d]
+    loss_fn = lambda out: out.pow(2).sum((0, 2))  # noqa: E731  per sample: [B]
+    psh.add_hooks(model, batch_dim=1)
+    edges = OutputEdges(model, form_on_arrival=True)
+    edges.backward(loss_fn(model(x)).sum())
+    assert formed_names(model) == {"0", "1"}
+    norms = psh.compute_norms(model, loss_type="sum", per_param=True)
+    psh.compute_grad1(model, loss_type="sum")
+    got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    psh.remove_hooks(model)
+    expected = loop_grads(model, [x], lambda out: loss_fn(out), 4, batch_dim=1)
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g)
+        torch.testing.assert_close(norms[n], g.flatten(1).norm(dim=1))
