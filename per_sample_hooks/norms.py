@@ -226,9 +226,12 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     over all trainable parameters of hooked modules. No second backward: one matmul per layer
     from the captured activations and output gradients. Returns the unclipped norms ``[B]``.
 
-    ``release_records=True``: drop each layer's captured tensors as soon as its clipped
-    gradient is written, so that they and the new ``p.grad`` are not all held at once (what
-    :class:`~per_sample_hooks.dp.DPSGD` does; no other ``compute_*`` can read this step then).
+    ``release_records=True`` (what :class:`~per_sample_hooks.dp.DPSGD` does; no other
+    ``compute_*`` can read this step then): drop each layer's captured tensors as soon as its
+    clipped gradient is written, so that they and the new ``p.grad`` are not all held at once;
+    after a backward that computed no parameter gradient (``dp.OutputEdges``), a layer whose
+    norms formed its per-sample gradients keeps them (up to the size of its records) and drops
+    its records right away, its clipped sum then a contraction.
     """
     _check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
@@ -242,9 +245,9 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     # unseen-use check has nothing to compare (the output-edge backward computes no parameter
     # gradient), since confirming a failed check re-runs the captured calls
     early = release_records and not (state.unseen is not None and state.unseen.totals)
-    keep = _kept_grads(state, step, per_layer=early)
-    if early:
+    if release_records:
         state.released_by = "clip_grads(release_records=True)"
+    keep = _kept_grads(state, step, per_layer=early)
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep) if early else None
     squared = _per_parameter_squared(model, step, "clip_grads", keep, after)
     check_unseen_uses(state, step, keep.get)  # probes from the kept per-sample gradients
@@ -253,9 +256,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
     coefficients = clipping_coefficients(norms, max_norm)
     layers = step.layers
-    if release_records:
-        state.released_by = "clip_grads(release_records=True)"
-        # the largest new p.grad last, when the fewest records are left
+    if release_records:  # the largest new p.grad last, when the fewest records are left
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     for layer in layers:
         if layer.parameters and not layer.calls:
