@@ -1,7 +1,7 @@
 """The ground truth every rule is tested against: one plain-autograd pass per sample, float64."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -32,10 +32,17 @@ def take(x: object, i: int, batch_dim: int = 0) -> object:
 def loop_grads(model: nn.Module, inputs: Sequence[object], loss_fn: LossFn,
                batch_size: int, batch_dim: int = 0) -> dict[str, Tensor]:
     """``{name: [B, *p.shape]}``: gradient of each sample's own loss, one backward per sample."""
+    return loop_grads_of(model, ([take(x, i, batch_dim) for x in inputs]
+                                 for i in range(batch_size)), loss_fn)
+
+
+def loop_grads_of(model: nn.Module, samples: Iterable[Sequence[object]], loss_fn: LossFn
+                  ) -> dict[str, Tensor]:
+    """``{name: [B, *p.shape]}`` over the trainable parameters, one backward per sample;
+    ``samples`` gives the inputs of each sample in turn (a parameter it does not use: zeros)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     per_sample = {n: [] for n in params}
-    for i in range(batch_size):
-        sample = [take(x, i, batch_dim) for x in inputs]
+    for sample in samples:
         loss = loss_fn(model(*sample)).sum()
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (n, p), g in zip(params.items(), grads):

@@ -7,7 +7,7 @@ from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, hooked_grads, weighted_square
+from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
 from per_sample_hooks.rules.attention import MultiheadAttentionRule
 from per_sample_hooks.rules.base import rerun_projection
 
@@ -57,16 +57,12 @@ def assert_matches(model, inputs, specs, loss_fn, loss_type="mean", heads=2, **h
     inputs = [to_double(x) for x in inputs]
     got = hooked_grads(model, inputs, loss_fn, loss_type, **hook_options)
     batch = inputs[0].shape[specs[0]]
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    assert got.keys() == params.keys()
-    for i in range(batch):
-        one = [sample(x, s, i, heads) for x, s in zip(inputs, specs)]
-        grads = torch.autograd.grad(loss_fn(model(*one)).sum(), list(params.values()),
-                                    allow_unused=True)
-        for (n, p), g in zip(params.items(), grads):
-            g = torch.zeros_like(p) if g is None else g
-            torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-10,
-                                       msg=lambda m, n=n: f"{n}: {m}")
+    expected = loop_grads_of(model, ([sample(x, s, i, heads) for x, s in zip(inputs, specs)]
+                                     for i in range(batch)), loss_fn)
+    assert got.keys() == expected.keys()
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"{n}: {m}")
     return got
 
 
