@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
+from .dp import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .norms import _parameter_names
 from .rules.base import split_passes
@@ -152,7 +153,7 @@ def graph_leaves(output: Tensor) -> list[Tensor]:
 
 def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = "mean",
                   n_samples: int | None = None, generator: torch.Generator | None = None,
-                  retain_graph: bool = False) -> None:
+                  retain_graph: bool = False, edges: OutputEdges | None = None) -> None:
     """Backpropagate a square root of the loss Hessian w.r.t. ``output``, so that the hooks
     capture one output gradient per pass (``Call.backprops``) for :func:`compute_hess`,
     :func:`compute_kfac` and the second moments.
@@ -171,6 +172,12 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     (``torch.autograd.grad`` on the graph's leaves). Call it on a fresh forward, before any
     other backward of the step: every captured pass counts. ``retain_graph=True`` keeps the
     graph for a later ``loss.backward()`` (after the ``compute_*`` call).
+
+    ``edges``: an :class:`~per_sample_hooks.dp.OutputEdges` of the model, made before the
+    forward: each pass then goes only as far as the hooked modules' outputs it recorded, and
+    computes no parameter (or input) gradient, which the passes do not need: the
+    weight-gradient products, about a third of a backward, are skipped in every pass. The
+    edges are used up; if it recorded none (made after this forward), the leaves are used.
     """
     if hess_type not in HESS_TYPES:
         raise ValueError(f"backprop_hess: hess_type must be one of {HESS_TYPES}, "
@@ -191,14 +198,20 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
             raise ValueError(f"backprop_hess: n_samples must be an int >= 1, got {n_samples!r}")
         seeds = sampled_gradients(output, hess_type, n_samples, generator)
     factor = 1.0 / output.shape[0] if loss_type == "mean" else 1.0
-    leaves = graph_leaves(output)
-    if not leaves:
+    recorded = edges.take() if edges is not None else []
+    leaves = [] if recorded else graph_leaves(output)
+    if not recorded and not leaves:
         raise PerSampleHooksError("backprop_hess: output depends on no tensor that requires "
                                   "grad")
     seeds = list(seeds)
     for index, seed in enumerate(seeds):
-        torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
-                            retain_graph=retain_graph or index < len(seeds) - 1)
+        retain = retain_graph or index < len(seeds) - 1
+        if recorded:
+            torch.autograd.backward(output, seed.mul_(factor), inputs=recorded,
+                                    retain_graph=retain)
+        else:
+            torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
+                                retain_graph=retain)
 
 
 # ----------------------------------------------------------------------------- helpers

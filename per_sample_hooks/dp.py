@@ -113,9 +113,11 @@ class OutputEdges:
         self._state = state
         self._handles = [module.register_forward_hook(self._record)
                          for module in state.modules]
+        state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
 
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self._state.enabled or not torch.is_grad_enabled():
+        # a copy of the model (copy.deepcopy) has a copy of this hook, and no state: a no-op
+        if self._state is None or not self._state.enabled or not torch.is_grad_enabled():
             return
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, Tensor) and leaf.requires_grad:
@@ -127,7 +129,7 @@ class OutputEdges:
             raise PerSampleHooksError(
                 "backward: no output of a hooked module was recorded since the last backward; "
                 "run the forward pass with grad enabled first")
-        edges, self.edges = self.edges, []
+        edges = self.take()
         if self.form_on_arrival:
             self._state.on_gradient = partial(form_on_arrival, self._state)
         try:
@@ -135,12 +137,20 @@ class OutputEdges:
         finally:
             self._state.on_gradient = None
 
+    def take(self) -> list[Any]:
+        """The edges recorded since the last backward, forgotten here (for a backward of the
+        caller's own, e.g. :func:`~per_sample_hooks.curvature.backprop_hess`'s passes)."""
+        edges, self.edges = self.edges, []
+        return edges
+
     def clear(self) -> None:
         self.edges = []
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self.clear in self._state.on_clear:
+            self._state.on_clear.remove(self.clear)
         self._handles, self.edges = [], []
 
 

@@ -46,7 +46,8 @@ Which curvature the factors describe is decided by the backward passes the hooks
 :meth:`KFAC.backprop_hess` on the network output before the loss's backward::
 
     output = model(x)
-    precond.backprop_hess(output, "CrossEntropy")   # o extra backward passes (update steps)
+    precond.backprop_hess(output, "CrossEntropy")   # o extra backward passes (update steps),
+                                                    # to the hooked outputs from the second on
     F.cross_entropy(output, y).backward()
     precond.step()
 
@@ -212,6 +213,7 @@ class KFAC:
         self.loss_type = loss_type
         self.read_factors = factors or default_factors(approx, loss_type)
         self.read_this_step = False  # factors already read by backprop_hess
+        self.edges: Any = None  # the hooked outputs' edges for backprop_hess, from its first call
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
         self.steps = 0
@@ -232,12 +234,21 @@ class KFAC:
         ``hess_type``: ``"CrossEntropy"`` or ``"LeastSquares"`` (per-sample ``0.5|y - t|^2``);
         ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
         ``o`` passes (see :func:`per_sample_hooks.curvature.backprop_hess`).
+
+        The first call's passes go to the graph's leaves (so the unseen-use check sees every
+        parameter's gradient once, as ``DPSGD``'s first step does); later calls' passes stop
+        at the hooked layers' outputs (``backprop_hess(..., edges=)``, recorded in every forward
+        from the first call on) and compute no parameter gradient: a parameter use outside its
+        module that appears only after the first call goes unnoticed.
         """
         if self.steps % self.update_freq != 0 or self.read_this_step:
             return
         from .curvature import backprop_hess  # noqa: PLC0415
+        from .dp import OutputEdges  # noqa: PLC0415
+        if self.edges is None:  # records from the next forward on; this one's passes: leaves
+            self.edges = OutputEdges(self.model)
         backprop_hess(output, hess_type, loss_type=self.loss_type, n_samples=n_samples,
-                      generator=generator, retain_graph=True)
+                      generator=generator, retain_graph=True, edges=self.edges)
         self.update_factors(self.read_factors(self.model))
         clear_backprops(self.model)
         self.read_this_step = True
@@ -308,6 +319,9 @@ class KFAC:
     def close(self) -> None:
         """Remove the hooks if this preconditioner added them (re-enable them otherwise)."""
         from .api import remove_hooks  # noqa: PLC0415
+        if self.edges is not None:
+            self.edges.remove()
+            self.edges = None
         if self.owns_hooks:
             remove_hooks(self.model)
         elif unwrap(self.model).__dict__.get(STATE_ATTRIBUTE) is not None:

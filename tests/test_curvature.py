@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
+from per_sample_hooks.dp import OutputEdges
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
 from per_sample_hooks.rules.kronecker import ROW_ALIGN
 
@@ -89,6 +90,57 @@ def test_compute_hess_equals_exact_hessian(net: str, hess_type: str, loss_type: 
                                                            loss_type),
                                        rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
         assert all(p.grad is None for p in model.parameters())  # backprop_hess leaves .grad
+
+
+def curvature_after_backprop_hess(model: nn.Module, x: Tensor, hess_type: str,
+                                  n_samples: int | None, edges: str) -> tuple[dict, dict, int]:
+    """``p.hess``, KFAC factors and Fisher diagonal after ``backprop_hess`` with ``edges``:
+    ``"none"``, ``"recorded"`` (an ``OutputEdges`` made before the forward) or ``"late"`` (made
+    after it: nothing recorded); and how many parameter gradients its passes computed."""
+    computed = []
+    with psh.add_hooks(model):
+        handles = [p.register_hook(computed.append) for p in model.parameters()]
+        recorder = OutputEdges(model) if edges == "recorded" else None
+        output = model(x)
+        if edges == "late":
+            recorder = OutputEdges(model)
+        psh.backprop_hess(output, hess_type, n_samples=n_samples, edges=recorder,
+                          generator=None if n_samples is None else torch.Generator().manual_seed(3))
+        for handle in handles:
+            handle.remove()
+        assert recorder is None or recorder.edges == []  # used up
+        assert all(p.grad is None for p in model.parameters())
+        psh.compute_hess(model)
+        hess = {n: p.hess.clone() for n, p in model.named_parameters()}
+        kfac = {f"kfac {i}": tuple(t.clone() for t in factors)
+                for i, factors in enumerate(psh.compute_kfac(model).values())}
+        diag = psh.compute_fisher_diag(model)
+    return hess, {**kfac, **diag}, len(computed)
+
+
+@pytest.mark.parametrize("net", list(NETS))
+@pytest.mark.parametrize("hess_type", ["LeastSquares", "CrossEntropy"])
+@pytest.mark.parametrize("n_samples", [None, 3])
+def test_backprop_hess_to_recorded_output_edges(net: str, hess_type: str,
+                                                n_samples: int | None) -> None:
+    """With ``edges`` the passes stop at the hooked outputs: the same curvature (exact and
+    Monte-Carlo, one generator seed) from passes that compute no parameter gradient; edges
+    recorded after the forward fall back to the leaves."""
+    torch.manual_seed(0)
+    model, x = NETS[net]()
+    model, x = model.to(DT), x.to(DT)
+    hess, rest, leaf_grads = curvature_after_backprop_hess(model, x, hess_type, n_samples, "none")
+    passes = 3 if n_samples is None else n_samples
+    assert leaf_grads == passes * len(list(model.parameters()))
+    for edges, expected_grads in (("recorded", 0), ("late", leaf_grads)):
+        got_hess, got_rest, grads = curvature_after_backprop_hess(model, x, hess_type,
+                                                                  n_samples, edges)
+        assert grads == expected_grads, edges
+        for expected, got in ((hess, got_hess), (rest, got_rest)):
+            assert got.keys() == expected.keys()
+            for key in expected:
+                torch.testing.assert_close(got[key], expected[key], rtol=1e-12, atol=1e-14,
+                                           msg=lambda m, k=key, e=edges: f"{e} {k}: {m}")
 
 
 @pytest.mark.parametrize("hess_type", ["LeastSquares", "CrossEntropy"])

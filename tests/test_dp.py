@@ -236,6 +236,34 @@ def test_output_edges_see_a_view_output_changed_in_place(form_on_arrival):
         torch.testing.assert_close(got[n], expected)
 
 
+def test_output_edges_of_a_copied_model():
+    """``copy.deepcopy`` of a model with an ``OutputEdges`` (a ``DPSGD`` model copied for an
+    average or an evaluation) copies its recording hook without the hook state: the copy's
+    forward used to raise AttributeError; it runs, records nothing, and the original's records
+    are its own. A new step (the first forward after a compute_*) forgets stale records."""
+    import copy
+
+    from per_sample_hooks.dp import OutputEdges
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    edges = OutputEdges(model)
+    x = torch.randn(5, 3)
+    copied = copy.deepcopy(model)
+    copied(x).sum().backward()
+    assert edges.edges == []
+    model(x)
+    assert len(edges.edges) == 2
+    model(x)  # a second forward of the same step adds its outputs' edges
+    assert len(edges.edges) == 4
+    psh.clear_backprops(model)  # a new step
+    assert edges.edges == []
+    edges.backward(model(x).sum())
+    psh.compute_norms(model)
+    model(x)  # the next step's first forward starts afresh
+    assert len(edges.edges) == 2
+    edges.remove()
+    assert edges.clear not in psh.capture.get_state(model).on_clear
+
+
 def test_dp_backward_matches_loss_backward():
     idx = torch.arange(6)
     model, dp = _setup(noise=0.0, accountant=None)

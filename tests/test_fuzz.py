@@ -4,8 +4,9 @@ BatchNorm in eval mode, MultiheadAttention (its native rule; ``PSH_FUZZ_ATTENTIO
 out); random widths, kernel options,
 nesting, reuse, frozen parameters) and random batches, and checks ``compute_grad1``,
 ``compute_norms``, ``clip_grads`` (after an ordinary backward, and after DPSGD's backward that forms
-per-sample gradients on arrival) and (Linear layers) ``compute_kfac`` against the float64
-per-sample loop.
+per-sample gradients on arrival), the second moments (``compute_fisher_diag``,
+``compute_grad_variance``, ``compute_gram``), ``compute_hess`` (Linear and conv layers) and
+(Linear layers) ``compute_kfac`` against the float64 per-sample loop.
 
 Profiles, registered in ``tests/conftest.py`` and picked by ``PSH_FUZZ_PROFILE``:
 - ``ci`` (default): ``FUZZ_PROFILES["ci"]`` examples per test, derandomized (the same examples
@@ -234,8 +235,8 @@ def recurrent_models(draw):
 
 def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: float,
                      batch_dim: int = 0) -> None:
-    """compute_grad1, compute_norms, clip_grads and compute_kfac (Linear layers) of one hooked
-    backward vs the float64 loop.
+    """compute_grad1, compute_norms, clip_grads, the second moments, compute_hess and
+    compute_kfac (Linear layers) of one hooked backward vs the float64 loop.
 
     ``batch_dim`` is where the batch is in ``x`` (1 for a sequence-first RNN, whose rule knows
     its layout); the model's output is batch first."""
@@ -257,6 +258,7 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
                 torch.testing.assert_close(reduced, expected, rtol=1e-9, atol=1e-10)
             else:
                 assert not hasattr(p, "grad1"), f"frozen {n} got grad1"
+        moments = second_moments(model, loss_type)
         kfac = {m: (a.clone(), g.clone()) for m, (a, g) in
                 compute_kfac(model, "expand", loss_type, unsupported="skip").items()
                 if isinstance(m, nn.Linear)}
@@ -285,11 +287,47 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
                                    msg=lambda m, n=n: f"formed grad1 {n}: {m}")
         torch.testing.assert_close(formed_clipped[n], g, rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=n: f"formed clipped {n}: {m}")
+    check_second_moments(moments, expected, loss_type)
     expected_kfac = loop_kfac(model, x, loss_type, batch_dim)
     assert kfac.keys() == expected_kfac.keys()
     for module, (a, g) in expected_kfac.items():
         torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
         torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
+
+
+def second_moments(model: nn.Module, loss_type: str) -> tuple:
+    """Fisher diagonal, gradient variance, Gram matrix and ``p.hess`` (Linear and conv layers;
+    others skipped) of the step the hooks captured."""
+    fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, loss_type).items()}
+    variance = {n: t.clone() for n, t in psh.compute_grad_variance(model, loss_type).items()}
+    gram = psh.compute_gram(model, loss_type).clone()
+    psh.compute_hess(model, loss_type, unsupported="skip")
+    hess = {}
+    for n, p in model.named_parameters():
+        if hasattr(p, "hess"):
+            hess[n] = p.hess.clone()
+            del p.hess
+    return fisher, variance, gram, hess
+
+
+def check_second_moments(moments: tuple, expected: dict[str, torch.Tensor],
+                         loss_type: str) -> None:
+    """:func:`second_moments` against the per-sample gradients of the float64 loop."""
+    fisher, variance, gram, hess = moments
+    flat = {n: g.flatten(1) for n, g in expected.items()}
+    assert fisher.keys() == variance.keys() == expected.keys()
+    for n, g in expected.items():
+        torch.testing.assert_close(fisher[n], g.square().sum(0), rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"fisher diag {n}: {m}")
+        torch.testing.assert_close(variance[n], g.var(0, unbiased=False), rtol=1e-9,
+                                   atol=1e-10, msg=lambda m, n=n: f"variance {n}: {m}")
+    everything = torch.cat(list(flat.values()), 1)
+    torch.testing.assert_close(gram, everything @ everything.T, rtol=1e-9, atol=1e-10)
+    batch = everything.shape[0]
+    for n, block in hess.items():
+        expected_block = flat[n].T @ flat[n] / (batch if loss_type == "mean" else 1)
+        torch.testing.assert_close(block, expected_block, rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"hess {n}: {m}")
 
 
 def formed_step(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: float) -> tuple:

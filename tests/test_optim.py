@@ -2,6 +2,8 @@
 running averages, grouped conv, uncovered parameters, step-size control, state dict."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -204,6 +206,48 @@ def test_running_average_and_update_frequency():
     precond.close()
     assert not hasattr(layer, psh.capture.STATE_ATTRIBUTE) or \
         layer.__dict__.get(psh.capture.STATE_ATTRIBUTE) is None
+
+
+@pytest.mark.parametrize("update_freq", [1, 2])
+def test_backprop_hess_passes_stop_at_the_outputs_after_the_first(update_freq):
+    """The first ``backprop_hess`` goes to the leaves (parameter gradients, for the unseen-use
+    check); later update steps' passes stop at the hooked outputs: no parameter gradient, the
+    same factors as a pass to the leaves on a copy; ``close()`` removes the edge records."""
+    if compute_kfac is None:
+        pytest.skip("per_sample_hooks.curvature not there yet")
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(32, 3)).double()
+    read = []
+    precond = KFAC(model, update_freq=update_freq, factors=lambda m: read.append(
+        {k: tuple(t.clone() for t in f) for k, f in compute_kfac(m).items()}) or read[-1])
+    computed = []
+    for p in model.parameters():
+        p.register_hook(computed.append)
+    counts, expected = [], []
+    for step in range(4):
+        x = torch.randn(5, 1, 6, 6, dtype=torch.double)
+        if step % update_freq == 0:
+            reference = copy.deepcopy(model)
+            with psh.add_hooks(reference):
+                psh.backprop_hess(reference(x), "CrossEntropy")
+                expected.append([tuple(t.clone() for t in f)
+                                 for f in compute_kfac(reference).values()])
+        output = model(x)
+        before = len(computed)
+        precond.backprop_hess(output, "CrossEntropy")
+        counts.append(len(computed) - before)
+        F.cross_entropy(output, torch.randint(3, (5,))).backward()
+        precond.step()
+    n_params = len(list(model.parameters()))
+    updates = [step % update_freq == 0 for step in range(4)]
+    assert counts == [3 * n_params] + [0] * 3  # exact CrossEntropy: 3 passes, then none
+    assert len(read) == sum(updates)
+    for got, want in zip(read, expected):
+        for (a, g), (a_ref, g_ref) in zip(got.values(), want):
+            torch.testing.assert_close(a, a_ref, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-14)
+    precond.close()
+    assert precond.edges is None
 
 
 def test_uncovered_parameters_keep_their_gradient():
