@@ -25,8 +25,9 @@ Methods (one training step each, timed interleaved, see harness.py):
 - ``products floor`` / ``products floor factors only`` (models of Linear layers only): the
   least any hook library can do: the unhooked model's forward and backward (``factors only``:
   output gradients only, as above), with each Linear's two factors as one matrix product each
-  (``a^T a`` of its input in a forward hook, ``g^T g`` of its output gradient in a tensor hook;
-  no bias coordinate, no scaling, no checks). What a method costs above it is overhead.
+  (``a^T a`` of its input with a column of ones appended for the bias, in a forward hook;
+  ``g^T g`` of its output gradient in a tensor hook; no scaling, no checks). What a method
+  costs above it is overhead.
 - ``fisher diag``: hooked forward + backward + ``compute_fisher_diag``.
 - ``backpack SGS``: BackPACK ``SumGradSquared`` (same quantity up to the ``1/N^2`` of the mean).
 """
@@ -121,8 +122,9 @@ def product_floor(build: Callable[[], nn.Module], state: dict, x: torch.Tensor, 
     owners = [m for m in model.modules() if m._parameters]
     if not owners or not all(isinstance(m, nn.Linear) for m in owners):
         return {}
-    buffers = {m: (torch.empty(m.in_features, m.in_features),
-                   torch.empty(m.out_features, m.out_features)) for m in owners}
+    sizes = {m: m.in_features + (m.bias is not None) for m in owners}
+    buffers = {m: (torch.empty(sizes[m], sizes[m]), torch.empty(m.out_features, m.out_features))
+               for m in owners}
     outputs: list[torch.Tensor] = []
 
     def product_into(out: torch.Tensor) -> Callable[[torch.Tensor], None]:
@@ -132,6 +134,8 @@ def product_floor(build: Callable[[], nn.Module], state: dict, x: torch.Tensor, 
 
     def forward_hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         a, g_out = inputs[0].detach(), buffers[module][1]
+        if module.bias is not None:
+            a = torch.cat([a, a.new_ones(len(a), 1)], 1)
         torch.mm(a.t(), a, out=buffers[module][0])
         output.register_hook(product_into(g_out))
         outputs.append(output)
