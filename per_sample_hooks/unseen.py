@@ -14,7 +14,9 @@ them, drawn fresh each step from a private generator; ``p`` seen as a ``[n0, n1]
   ``sum_{b,t} (G u)(A v)``, ``O(B T (p + d))``).
 
 A term missing from the hooked sum shows up as a difference far above rounding (thresholds in
-:func:`relative_tolerance`: 10% of the projection in float32, 1e-6 in float64). A parameter over
+:func:`relative_tolerance`: 10% of the projection in float32, 1e-6 in float64; the size of a
+gradient that came in several backward passes is the sum of each pass's ``|projection|``, since
+passes can cancel: ``backprop_hess`` through a normalization sums to rounding). A parameter over
 the threshold is confirmed before anything is raised (:meth:`UnseenUseCheck.rounding_explains`):
 its users' contributions are recomputed by autograd from the captured calls in float32 and
 float64, so that rounding inside a module's own backward (a saturated softmax's cancellation,
@@ -140,6 +142,9 @@ class UnseenUseCheck:
         self.bank = ProbeBank(list(owners), torch.Generator().manual_seed(seed))
         self.drawn = False  # this step's probes are drawn
         self.totals: dict[int, Tensor] = {}
+        # sum of each pass's |projection|, for a parameter whose gradient came in several
+        # backward passes: the size its rounding is relative to when the passes cancel
+        self.pass_scales: dict[int, Tensor] = {}
         self._state = state
         for p in owners:
             state.handles.append(p.register_hook(self._total_hook(id(p))))
@@ -148,6 +153,7 @@ class UnseenUseCheck:
     def reset(self) -> None:
         self.drawn = False
         self.totals.clear()
+        self.pass_scales.clear()
 
     def probe(self, p: Tensor) -> Probe:
         """This step's probes for ``p``."""
@@ -161,14 +167,18 @@ class UnseenUseCheck:
         return self.bank.views
 
     def _total_hook(self, key: int) -> Callable[[Tensor], None]:
-        state, totals = self._state, self.totals
+        state, totals, scales = self._state, self.totals, self.pass_scales
 
         def hook(grad: Tensor) -> None:
             if not state.enabled:
                 return
             value = project_gradient(grad.detach(), self._views()[key])
             total = totals.get(key)
-            totals[key] = value if total is None else total + value
+            if total is None:
+                totals[key] = value
+                return
+            scales[key] = (scales[key] if key in scales else total.abs()) + value.abs()
+            totals[key] = total + value
         return hook
 
     def verify(self, hooked: Mapping[int, tuple[Tensor, Tensor]],
@@ -190,7 +200,11 @@ class UnseenUseCheck:
                 zero = torch.zeros_like(totals[0])
                 pairs = [hooked.get(key, (zero, zero)) for key in keys]
             values = torch.stack([value for value, _ in pairs])
-            sizes = torch.stack([scale for _, scale in pairs]).add_(totals.abs())
+            magnitudes = totals.abs()
+            if self.pass_scales:  # passes that cancel (a sum of passes' seeds the net ignores)
+                magnitudes = torch.stack([self.pass_scales.get(key, magnitudes[i])
+                                          for i, key in enumerate(keys)])
+            sizes = torch.stack([scale for _, scale in pairs]).add_(magnitudes)
             gaps = torch.sub(totals, values).abs_()
             bounds = sizes * relative_tolerance(dtype) + torch.finfo(dtype).tiny
             failed = gaps > bounds

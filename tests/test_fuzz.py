@@ -6,7 +6,10 @@ nesting, reuse, frozen parameters) and random batches, and checks ``compute_grad
 ``compute_norms``, ``clip_grads`` (after an ordinary backward, and after DPSGD's backward that forms
 per-sample gradients on arrival), the second moments (``compute_fisher_diag``,
 ``compute_grad_variance``, ``compute_gram``), ``compute_hess`` (Linear and conv layers) and
-(Linear layers) ``compute_kfac`` against the float64 per-sample loop.
+(Linear layers) ``compute_kfac`` against the float64 per-sample loop; then the Fisher diagonal,
+Gram matrix, ``compute_hess`` and ``compute_kfac`` after ``backprop_hess`` (several backward
+passes; every other example's passes to the hooked outputs only, ``edges=``) against the loop's
+per-sample Jacobian rows.
 
 Profiles, registered in ``tests/conftest.py`` and picked by ``PSH_FUZZ_PROFILE``:
 - ``ci`` (default): ``FUZZ_PROFILES["ci"]`` examples per test, derandomized (the same examples
@@ -20,6 +23,7 @@ Profiles, registered in ``tests/conftest.py`` and picked by ``PSH_FUZZ_PROFILE``
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from conftest import FUZZ_PROFILE
@@ -234,9 +238,11 @@ def recurrent_models(draw):
 
 
 def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: float,
-                     batch_dim: int = 0) -> None:
+                     batch_dim: int = 0, edges: bool = False) -> None:
     """compute_grad1, compute_norms, clip_grads, the second moments, compute_hess and
-    compute_kfac (Linear layers) of one hooked backward vs the float64 loop.
+    compute_kfac (Linear layers) of one hooked backward vs the float64 loop; then the same
+    curvature after ``backprop_hess`` (:func:`check_gauss_newton`, ``edges``: its passes to the
+    hooked outputs only).
 
     ``batch_dim`` is where the batch is in ``x`` (1 for a sequence-first RNN, whose rule knows
     its layout); the model's output is batch first."""
@@ -293,21 +299,27 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
     for module, (a, g) in expected_kfac.items():
         torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
         torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
+    check_gauss_newton(model, x, batch_dim, edges)
 
 
-def second_moments(model: nn.Module, loss_type: str) -> tuple:
-    """Fisher diagonal, gradient variance, Gram matrix and ``p.hess`` (Linear and conv layers;
-    others skipped) of the step the hooks captured."""
-    fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, loss_type).items()}
-    variance = {n: t.clone() for n, t in psh.compute_grad_variance(model, loss_type).items()}
-    gram = psh.compute_gram(model, loss_type).clone()
+def hess_blocks(model: nn.Module, loss_type: str) -> dict[str, torch.Tensor]:
+    """``p.hess`` of the Linear and conv layers (others skipped), taken off the parameters."""
     psh.compute_hess(model, loss_type, unsupported="skip")
     hess = {}
     for n, p in model.named_parameters():
         if hasattr(p, "hess"):
             hess[n] = p.hess.clone()
             del p.hess
-    return fisher, variance, gram, hess
+    return hess
+
+
+def second_moments(model: nn.Module, loss_type: str) -> tuple:
+    """Fisher diagonal, gradient variance, Gram matrix and ``p.hess`` of the step the hooks
+    captured."""
+    fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, loss_type).items()}
+    variance = {n: t.clone() for n, t in psh.compute_grad_variance(model, loss_type).items()}
+    gram = psh.compute_gram(model, loss_type).clone()
+    return fisher, variance, gram, hess_blocks(model, loss_type)
 
 
 def check_second_moments(moments: tuple, expected: dict[str, torch.Tensor],
@@ -349,13 +361,17 @@ def formed_step(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: flo
     return grad1, norms, clip_norms, clipped
 
 
-def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int = 0
+def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int = 0,
+              objectives: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
               ) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """KFAC "expand" factors of every Linear with a trainable weight whose output reaches the
-    loss, one plain backward per sample (the convention of ``per_sample_hooks.curvature``:
-    ``A = 1/(N T) sum a a^T`` with a 1 appended for a trainable bias, ``G = 1/N sum x x^T``
-    with ``x = dl_i/dz``; several calls add positions; ``loss_type="sum"`` drops the ``1/N`` of
-    ``G`` only)."""
+    loss, one forward per sample and one plain backward per objective (the convention of
+    ``per_sample_hooks.curvature``: ``A = 1/(N T) sum a a^T`` with a 1 appended for a trainable
+    bias, ``G = 1/N sum x x^T`` with ``x = dl_i/dz``, one term per objective (backward pass);
+    several calls add positions; ``loss_type="sum"`` drops the ``1/N`` of ``G`` only).
+    ``objectives(output)``: the scalars of one sample's passes; default its
+    ``weighted_square`` loss."""
+    objectives = objectives or (lambda output: [weighted_square(output).sum()])
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
     sums = {m: [0.0, 0.0, 0] for m in linears}  # A sum, G sum, positions
     records: list[tuple[nn.Module, torch.Tensor, list]] = []
@@ -375,13 +391,17 @@ def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int 
     try:
         for i in range(batch):
             records.clear()
-            weighted_square(model(x.narrow(batch_dim, i, 1))).sum().backward()
+            scalars = objectives(model(x.narrow(batch_dim, i, 1)))
+            for k, scalar in enumerate(scalars):
+                if scalar.requires_grad:
+                    scalar.backward(retain_graph=k < len(scalars) - 1)
             for module, a, grads in records:
                 if not grads:
                     continue
-                g = grads[0].reshape(-1, module.out_features)
                 sums[module][0] = sums[module][0] + a.T @ a
-                sums[module][1] = sums[module][1] + g.T @ g
+                for grad in grads:
+                    g = grad.reshape(-1, module.out_features)
+                    sums[module][1] = sums[module][1] + g.T @ g
                 sums[module][2] += len(a)
     finally:
         for h in handles:
@@ -389,6 +409,50 @@ def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int 
         model.zero_grad(set_to_none=True)
     scale = batch if loss_type == "mean" else 1
     return {m: (a / t, g / scale) for m, (a, g, t) in sums.items() if t}
+
+
+def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges: bool) -> None:
+    """After ``backprop_hess(output, "LeastSquares", loss_type="sum")`` (the output flattened
+    to ``[B, o]``: one pass per column; ``edges``: passes to the hooked outputs only), the Fisher
+    diagonal, Gram matrix, ``p.hess`` (Linear and conv layers) and KFAC factors (Linear) against
+    the float64 loop's per-sample Jacobian rows ``J_ik = dy_ik/dp``: ``sum_ik J^2``,
+    ``sum_k <J_ik, J_jk>``, ``sum_ik J J^T``."""
+    psh.add_hooks(model)
+    recorder = OutputEdges(model) if edges else None
+    try:
+        output = model(x)
+        psh.backprop_hess(output.reshape(output.shape[0], -1), "LeastSquares", loss_type="sum",
+                          edges=recorder)
+        fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, "sum").items()}
+        gram = psh.compute_gram(model, "sum").clone()
+        hess = hess_blocks(model, "sum")
+        kfac = {m: (a.clone(), g.clone()) for m, (a, g) in
+                compute_kfac(model, "expand", "sum", unsupported="skip").items()
+                if isinstance(m, nn.Linear)}
+    finally:
+        if recorder is not None:
+            recorder.remove()
+        psh.remove_hooks(model)
+    batch, columns = x.shape[batch_dim], output[0].numel()
+    rows = [loop_grads(model, [x], lambda out, k=k: out.reshape(out.shape[0], -1)[:, k], batch,
+                       batch_dim) for k in range(columns)]
+    jacobian = {n: torch.stack([r[n] for r in rows], 1) for n in rows[0]}  # [B, o, *p]
+    flat = {n: j.flatten(2) for n, j in jacobian.items()}
+    assert fisher.keys() == jacobian.keys()
+    for n, j in jacobian.items():
+        torch.testing.assert_close(fisher[n], j.square().sum((0, 1)), rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"GN fisher diag {n}: {m}")
+    everything = torch.cat(list(flat.values()), 2)
+    torch.testing.assert_close(gram, torch.einsum("ikp,jkp->ij", everything, everything),
+                               rtol=1e-9, atol=1e-10)
+    for n, block in hess.items():
+        torch.testing.assert_close(block, torch.einsum("ikp,ikq->pq", flat[n], flat[n]),
+                                   rtol=1e-9, atol=1e-10, msg=lambda m, n=n: f"GN hess {n}: {m}")
+    expected_kfac = loop_kfac(model, x, "sum", batch_dim, lambda out: list(out.flatten()))
+    assert kfac.keys() == expected_kfac.keys()
+    for module, (a, g) in expected_kfac.items():
+        torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
 
 
 common = dict(batch=st.integers(1, 4), loss_type=st.sampled_from(["mean", "sum"]),
@@ -401,7 +465,8 @@ def check_feedforward(spec, data, batch, loss_type, max_norm, seed):
     model, shape = spec
     torch.manual_seed(seed)
     freeze_some(data.draw, model)
-    check_everything(model, torch.randn(batch, *shape), loss_type, max_norm)
+    check_everything(model, torch.randn(batch, *shape), loss_type, max_norm,
+                     edges=seed % 2 == 0)
 
 
 @FUZZ
@@ -423,10 +488,11 @@ def test_fuzz_recurrent(spec, data, batch, loss_type, max_norm, seed):
     torch.manual_seed(seed)
     freeze_some(data.draw, model)
     if batch_first:
-        check_everything(model, torch.randn(batch, length, features), loss_type, max_norm)
+        check_everything(model, torch.randn(batch, length, features), loss_type, max_norm,
+                         edges=seed % 2 == 0)
     else:
         check_everything(model, torch.randn(length, batch, features), loss_type, max_norm,
-                         batch_dim=1)
+                         batch_dim=1, edges=seed % 2 == 0)
 
 
 @FUZZ
@@ -435,4 +501,5 @@ def test_fuzz_tokens(spec, data, batch, loss_type, max_norm, seed):
     model, vocabulary, length = spec
     torch.manual_seed(seed)
     freeze_some(data.draw, model)
-    check_everything(model, torch.randint(0, vocabulary, (batch, length)), loss_type, max_norm)
+    check_everything(model, torch.randint(0, vocabulary, (batch, length)), loss_type, max_norm,
+                     edges=seed % 2 == 0)
