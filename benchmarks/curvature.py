@@ -17,8 +17,11 @@ Methods (one training step each, timed interleaved, see harness.py):
   the hooked layers' outputs, as ``optim.KFAC`` does after its first step) + ``compute_kfac`` +
   backward of the loss (for the gradient): Fisher factors from one sampled label, as
   BackPACK's ``KFAC`` computes (the like-for-like comparison with it).
+- ``kfac GGN``: the same with the exact ``backprop_hess`` (one pass per class, to the output
+  edges): the exact Gauss-Newton factors, as BackPACK's ``KFLR`` computes; ``kfac GGN to
+  leaves``: its passes to the graph's leaves (``edges=None``, parameter gradients computed).
 - ``backpack KFAC``: ``extend``ed model and loss, ``backward`` under ``backpack(KFAC())``
-  (one MC sample; gradients included).
+  (one MC sample; gradients included); ``backpack KFLR``: the same under ``KFLR()``.
 - ``asdl KFAC EF``: ASDL's empirical-Fisher Kronecker factors (``FisherConfig(FISHER_EMP,
   SHAPE_KRON)``) with the gradient (``calc_loss_grad=True``), when the ``asdl`` package
   (``asdfghjkl`` wheel) imports; ``asdl KFAC EF factors only``: its default, without it.
@@ -63,7 +66,7 @@ def backpack_methods(build: Callable[[], nn.Module], state: dict, x: torch.Tenso
                      y: torch.Tensor) -> dict[str, Callable[[], object]]:
     try:
         from backpack import backpack, extend
-        from backpack.extensions import KFAC, SumGradSquared
+        from backpack.extensions import KFAC, KFLR, SumGradSquared
     except ImportError as error:  # pragma: no cover
         print(f"  BackPACK not available: {error}")
         return {}
@@ -82,7 +85,8 @@ def backpack_methods(build: Callable[[], nn.Module], state: dict, x: torch.Tenso
             with backpack(extension):
                 loss.backward()
         return step
-    return {"backpack KFAC": run(KFAC(mc_samples=1)), "backpack SGS": run(SumGradSquared())}
+    return {"backpack KFAC": run(KFAC(mc_samples=1)), "backpack KFLR": run(KFLR()),
+            "backpack SGS": run(SumGradSquared())}
 
 
 def asdl_methods(build: Callable[[], nn.Module], state: dict, x: torch.Tensor, y: torch.Tensor
@@ -184,13 +188,15 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     sampled = copy.deepcopy(plain)
     sampled_edges = OutputEdges(sampled)
 
-    def kfac_mc() -> None:
-        sampled.zero_grad(set_to_none=True)
-        output = sampled(x)
-        psh.backprop_hess(output, "CrossEntropy", n_samples=1, retain_graph=True,
-                          edges=sampled_edges)
-        psh.compute_kfac(sampled)
-        F.cross_entropy(output, y).backward()  # the gradient, as BackPACK's step has it
+    def kfac_ggn(n_samples: int | None, to_edges: bool = True) -> Callable[[], None]:
+        def step() -> None:
+            sampled.zero_grad(set_to_none=True)
+            output = sampled(x)
+            psh.backprop_hess(output, "CrossEntropy", n_samples=n_samples, retain_graph=True,
+                              edges=sampled_edges if to_edges else None)
+            psh.compute_kfac(sampled)
+            F.cross_entropy(output, y).backward()  # the gradient, as BackPACK's step has it
+        return step
 
     def fisher_diag() -> None:
         hooked.zero_grad(set_to_none=True)
@@ -199,7 +205,8 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
 
     methods = {"plain": plain_step, "kfac EF": kfac_ef_of(hooked),
                "kfac EF no check": kfac_ef_of(unchecked),
-               "kfac EF factors only": kfac_ef_factors_only, "kfac MC-1": kfac_mc}
+               "kfac EF factors only": kfac_ef_factors_only, "kfac MC-1": kfac_ggn(1),
+               "kfac GGN": kfac_ggn(None), "kfac GGN to leaves": kfac_ggn(None, False)}
     methods.update(product_floor(build, plain.state_dict(), x, y))
     methods.update(asdl_methods(build, plain.state_dict(), x, y))
     methods["fisher diag"] = fisher_diag
@@ -212,6 +219,7 @@ def report_goals(name: str, results: dict) -> None:
     beside it); faster than BackPACK's KFAC and ASDL's empirical-Fisher factors, and the Fisher
     diagonal faster than BackPACK's SumGradSquared (paired per-round ratios) on every model."""
     pairs = [("kfac EF", "backpack KFAC"), ("kfac MC-1", "backpack KFAC"),
+             ("kfac GGN", "backpack KFLR"),
              ("kfac EF", "asdl KFAC EF"),
              ("kfac EF no check", "asdl KFAC EF"),
              ("kfac EF factors only", "asdl KFAC EF factors only"),
