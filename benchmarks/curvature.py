@@ -25,12 +25,12 @@ Methods (one training step each, timed interleaved, see harness.py):
 - ``asdl KFAC EF``: ASDL's empirical-Fisher Kronecker factors (``FisherConfig(FISHER_EMP,
   SHAPE_KRON)``) with the gradient (``calc_loss_grad=True``), when the ``asdl`` package
   (``asdfghjkl`` wheel) imports; ``asdl KFAC EF factors only``: its default, without it.
-- ``products floor`` / ``products floor factors only`` (models of Linear layers only): the
-  least any hook library can do: the unhooked model's forward and backward (``factors only``:
-  output gradients only, as above), with each Linear's two factors as one matrix product each
-  (``a^T a`` of its input with a column of ones appended for the bias, in a forward hook;
-  ``g^T g`` of its output gradient in a tensor hook; no scaling, no checks). What a method
-  costs above it is overhead.
+- ``products floor`` / ``products floor factors only`` (models of Linear layers only): a
+  plain implementation with no overhead: the unhooked model's forward and backward
+  (``factors only``: output gradients only, as above), with each Linear's two factors as one
+  matrix product each (``a^T a`` of its input with a column of ones appended for the bias, in
+  a forward hook; ``g^T g`` of its output gradient in a tensor hook; no scaling, no checks).
+  What a method costs above it is overhead.
 - ``fisher diag``: hooked forward + backward + ``compute_fisher_diag``.
 - ``backpack SGS``: BackPACK ``SumGradSquared`` (same quantity up to the ``1/N^2`` of the mean).
 """

@@ -149,7 +149,7 @@ class OutputEdges:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        if self.clear in self._state.on_clear:
+        if self._state is not None and self.clear in self._state.on_clear:
             self._state.on_clear.remove(self.clear)
         self._handles, self.edges = [], []
 
