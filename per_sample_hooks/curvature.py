@@ -204,6 +204,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
         raise PerSampleHooksError("backprop_hess: output depends on no tensor that requires "
                                   "grad")
     seeds = list(seeds)
+    before = edges.captured_passes() if recorded else 0
     for index, seed in enumerate(seeds):
         retain = retain_graph or index < len(seeds) - 1
         if recorded:
@@ -212,6 +213,11 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
         else:
             torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
                                 retain_graph=retain)
+    if recorded and edges.captured_passes() == before:  # autograd skips unreachable inputs
+        raise PerSampleHooksError(
+            "backprop_hess: no output that edges recorded is reached from output (edges of "
+            "another model, or of an earlier forward?): pass the OutputEdges of the model that "
+            "computed output, made before its forward")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -143,6 +143,13 @@ class OutputEdges:
         edges, self.edges = self.edges, []
         return edges
 
+    def captured_passes(self) -> int:
+        """How many output gradients the model's hooks hold (all calls, all passes)."""
+        if self._state is None:
+            return 0
+        return sum(len(passes) for calls in self._state.calls.values() for call in calls
+                   for passes in call.grads)
+
     def clear(self) -> None:
         self.edges = []
 

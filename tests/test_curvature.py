@@ -143,6 +143,16 @@ def test_backprop_hess_to_recorded_output_edges(net: str, hess_type: str,
                                            msg=lambda m, k=key, e=edges: f"{e} {k}: {m}")
 
 
+def test_backprop_hess_refuses_edges_of_another_model() -> None:
+    """Edges that the output does not reach would leave the hooks empty (zero curvature)."""
+    first, second = (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in "ab")
+    psh.add_hooks(second)
+    edges = OutputEdges(first)
+    first(torch.randn(5, 3))
+    with pytest.raises(PerSampleHooksError, match="no output that edges recorded is reached"):
+        psh.backprop_hess(second(torch.randn(5, 3)), "CrossEntropy", edges=edges)
+
+
 @pytest.mark.parametrize("hess_type", ["LeastSquares", "CrossEntropy"])
 def test_conv_transpose_hess_equals_exact_hessian(hess_type: str) -> None:
     torch.manual_seed(2)
