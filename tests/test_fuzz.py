@@ -6,7 +6,8 @@ nesting, reuse, frozen parameters) and random batches, and checks ``compute_grad
 ``compute_norms``, ``clip_grads`` (after an ordinary backward, and after DPSGD's backward that forms
 per-sample gradients on arrival), the second moments (``compute_fisher_diag``,
 ``compute_grad_variance``, ``compute_gram``), ``compute_hess`` (Linear and conv layers) and
-(Linear layers) ``compute_kfac`` against the float64 per-sample loop; then the Fisher diagonal,
+(Linear layers) ``compute_kfac`` ("expand" and "reduce") against the float64 per-sample
+loop; then the Fisher diagonal,
 Gram matrix, ``compute_hess`` and ``compute_kfac`` after ``backprop_hess`` (several backward
 passes; every other example's passes to the hooked outputs only, ``edges=``) against the loop's
 per-sample Jacobian rows.
@@ -265,9 +266,7 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
             else:
                 assert not hasattr(p, "grad1"), f"frozen {n} got grad1"
         moments = second_moments(model, loss_type)
-        kfac = {m: (a.clone(), g.clone()) for m, (a, g) in
-                compute_kfac(model, "expand", loss_type, unsupported="skip").items()
-                if isinstance(m, nn.Linear)}
+        kfac = hooked_kfac(model, loss_type)
         clip_norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
         clipped = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                    for n, p in model.named_parameters() if p.requires_grad}
@@ -294,11 +293,7 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
         torch.testing.assert_close(formed_clipped[n], g, rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=n: f"formed clipped {n}: {m}")
     check_second_moments(moments, expected, loss_type)
-    expected_kfac = loop_kfac(model, x, loss_type, batch_dim)
-    assert kfac.keys() == expected_kfac.keys()
-    for module, (a, g) in expected_kfac.items():
-        torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
-        torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
+    assert_kfac_close(kfac, loop_kfac(model, x, loss_type, batch_dim))
     check_gauss_newton(model, x, batch_dim, edges)
 
 
@@ -363,17 +358,20 @@ def formed_step(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: flo
 
 def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int = 0,
               objectives: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
-              ) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """KFAC "expand" factors of every Linear with a trainable weight whose output reaches the
-    loss, one forward per sample and one plain backward per objective (the convention of
-    ``per_sample_hooks.curvature``: ``A = 1/(N T) sum a a^T`` with a 1 appended for a trainable
-    bias, ``G = 1/N sum x x^T`` with ``x = dl_i/dz``, one term per objective (backward pass);
-    several calls add positions; ``loss_type="sum"`` drops the ``1/N`` of ``G`` only).
-    ``objectives(output)``: the scalars of one sample's passes; default its
+              ) -> dict[str, dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]]:
+    """``{"expand": factors, "reduce": factors}`` of every Linear with a trainable weight whose
+    output reaches the loss, one forward per sample and one plain backward per objective (the
+    convention of ``per_sample_hooks.curvature``, with a 1 appended to ``a`` for a trainable
+    bias and ``x = dl_i/dz``; a sample's calls add their positions ``T``): expand
+    ``A = 1/(N T) sum_{i,t} a a^T``, ``G = 1/N sum_{i,k,t} x x^T``; reduce
+    ``A = 1/(N T^2) sum_i (sum_t a)(sum_t a)^T``, ``G = 1/N sum_{i,k} (sum_t x)(sum_t x)^T``,
+    with ``k`` the objectives (backward passes); ``loss_type="sum"`` drops the ``1/N`` of
+    ``G``. ``objectives(output)``: the scalars of one sample's passes; default its
     ``weighted_square`` loss."""
     objectives = objectives or (lambda output: [weighted_square(output).sum()])
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
-    sums = {m: [0.0, 0.0, 0] for m in linears}  # A sum, G sum, positions
+    sums = {approx: {m: [0.0, 0.0] for m in linears} for approx in ("expand", "reduce")}
+    positions = dict.fromkeys(linears, 0)  # per sample
     records: list[tuple[nn.Module, torch.Tensor, list]] = []
 
     def hook(module, args, output):
@@ -395,20 +393,51 @@ def loop_kfac(model: nn.Module, x: torch.Tensor, loss_type: str, batch_dim: int 
             for k, scalar in enumerate(scalars):
                 if scalar.requires_grad:
                     scalar.backward(retain_graph=k < len(scalars) - 1)
+            summed: dict[nn.Module, list] = {}  # a summed over calls and positions, g per pass
             for module, a, grads in records:
                 if not grads:
                     continue
-                sums[module][0] = sums[module][0] + a.T @ a
-                for grad in grads:
+                expand = sums["expand"][module]
+                expand[0] = expand[0] + a.T @ a
+                part = summed.setdefault(module, [0.0, [0.0] * len(grads)])
+                part[0] = part[0] + a.sum(0)
+                for k, grad in enumerate(grads):
                     g = grad.reshape(-1, module.out_features)
-                    sums[module][1] = sums[module][1] + g.T @ g
-                sums[module][2] += len(a)
+                    expand[1] = expand[1] + g.T @ g
+                    part[1][k] = part[1][k] + g.sum(0)
+                if i == 0:
+                    positions[module] += len(a)
+            for module, (a, gs) in summed.items():
+                reduce = sums["reduce"][module]
+                reduce[0] = reduce[0] + torch.outer(a, a)
+                reduce[1] = reduce[1] + sum(torch.outer(g, g) for g in gs)
     finally:
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
     scale = batch if loss_type == "mean" else 1
-    return {m: (a / t, g / scale) for m, (a, g, t) in sums.items() if t}
+    divisors = {"expand": lambda t: batch * t, "reduce": lambda t: batch * t * t}
+    return {approx: {m: (a / divisors[approx](positions[m]), g / scale)
+                     for m, (a, g) in factors.items() if positions[m]}
+            for approx, factors in sums.items()}
+
+
+def hooked_kfac(model: nn.Module, loss_type: str) -> dict[str, dict]:
+    """``compute_kfac`` of the step for both approximations (Linear layers), cloned."""
+    return {approx: {m: (a.clone(), g.clone()) for m, (a, g) in
+                     compute_kfac(model, approx, loss_type, unsupported="skip").items()
+                     if isinstance(m, nn.Linear)}
+            for approx in ("expand", "reduce")}
+
+
+def assert_kfac_close(got: dict[str, dict], expected: dict[str, dict]) -> None:
+    for approx, factors in expected.items():
+        assert got[approx].keys() == factors.keys(), approx
+        for module, (a, g) in factors.items():
+            torch.testing.assert_close(got[approx][module][0], a, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, x=approx: f"A {x}: {m}")
+            torch.testing.assert_close(got[approx][module][1], g, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, x=approx: f"G {x}: {m}")
 
 
 def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges: bool) -> None:
@@ -426,9 +455,7 @@ def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges:
         fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, "sum").items()}
         gram = psh.compute_gram(model, "sum").clone()
         hess = hess_blocks(model, "sum")
-        kfac = {m: (a.clone(), g.clone()) for m, (a, g) in
-                compute_kfac(model, "expand", "sum", unsupported="skip").items()
-                if isinstance(m, nn.Linear)}
+        kfac = hooked_kfac(model, "sum")
     finally:
         if recorder is not None:
             recorder.remove()
@@ -448,11 +475,8 @@ def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges:
     for n, block in hess.items():
         torch.testing.assert_close(block, torch.einsum("ikp,ikq->pq", flat[n], flat[n]),
                                    rtol=1e-9, atol=1e-10, msg=lambda m, n=n: f"GN hess {n}: {m}")
-    expected_kfac = loop_kfac(model, x, "sum", batch_dim, lambda out: list(out.flatten()))
-    assert kfac.keys() == expected_kfac.keys()
-    for module, (a, g) in expected_kfac.items():
-        torch.testing.assert_close(kfac[module][0], a, rtol=1e-9, atol=1e-10)
-        torch.testing.assert_close(kfac[module][1], g, rtol=1e-9, atol=1e-10)
+    assert_kfac_close(kfac, loop_kfac(model, x, "sum", batch_dim,
+                                      lambda out: list(out.flatten())))
 
 
 common = dict(batch=st.integers(1, 4), loss_type=st.sampled_from(["mean", "sum"]),
