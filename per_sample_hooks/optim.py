@@ -20,7 +20,8 @@ of the (mean) loss for ``vec(M)`` (row-major) as ``kron(G, A)`` with ``A [da, da
 
 1. Running averages (every ``update_freq`` steps; the first update takes the factors as is):
    ``A <- decay * A + (1 - decay) * A_new`` and the same for ``G``.
-2. Eigendecompositions (every ``inverse_freq`` steps, batched over groups, in float64):
+2. Eigendecompositions (every ``inverse_freq`` steps, batched over groups, in float64 unless
+   ``eigh_dtype`` says otherwise):
    ``A = Q_A diag(l_A) Q_A^T``, ``G = Q_G diag(l_G) Q_G^T`` (eigenvalues clamped at 0).
 3. Preconditioned gradient (KFAC-eigen with Tikhonov damping ``lambda``)::
 
@@ -95,19 +96,21 @@ def as_grouped(factor: Tensor) -> Tensor:
                      f"{tuple(factor.shape)}")
 
 
-def symmetric_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
+def symmetric_eigh(factor: Tensor, dtype: torch.dtype | None = torch.float64
+                   ) -> tuple[Tensor, Tensor]:
     """``(eigenvalues [..., d], eigenvectors [..., d, d])`` of a batch of symmetric PSD matrices
-    ``[..., d, d]``, computed in float64 on the symmetrized matrix, eigenvalues clamped at 0,
-    returned in ``factor``'s dtype."""
-    f64 = factor.to(torch.float64)
-    values, vectors = torch.linalg.eigh((f64 + f64.mT) / 2)
+    ``[..., d, d]``, computed in ``dtype`` (None: ``factor``'s own) on the symmetrized matrix,
+    eigenvalues clamped at 0, returned in ``factor``'s dtype."""
+    wide = factor.to(dtype or factor.dtype)
+    values, vectors = torch.linalg.eigh((wide + wide.mT) / 2)
     return values.clamp_min(0).to(factor.dtype), vectors.to(factor.dtype)
 
 
-def eigen_of(a: Tensor, g: Tensor) -> Eigen:
-    """:class:`Eigen` of grouped factors ``a [g, da, da]`` and ``g [g, dg/g, dg/g]``."""
-    l_a, q_a = symmetric_eigh(a)
-    l_g, q_g = symmetric_eigh(g)
+def eigen_of(a: Tensor, g: Tensor, dtype: torch.dtype | None = torch.float64) -> Eigen:
+    """:class:`Eigen` of grouped factors ``a [g, da, da]`` and ``g [g, dg/g, dg/g]``
+    (decomposed in ``dtype``, see :func:`symmetric_eigh`)."""
+    l_a, q_a = symmetric_eigh(a, dtype)
+    l_g, q_g = symmetric_eigh(g, dtype)
     return Eigen(q_a, l_a, q_g, l_g)
 
 
@@ -186,13 +189,18 @@ class KFAC:
         factors: ``model -> {module: (A, G)}``; default ``compute_kfac(model, approx,
             loss_type, unsupported="skip")`` after the step's backward (layers whose rule has
             no Kronecker factors are left out). Any function with that contract works.
+        eigh_dtype: the dtype of the eigendecompositions (None: the factors' own). float64
+            (the default) costs more: on the 784-512-512-10 MLP, 2 threads, the 785-wide
+            factor's took 108 ms in float64 and 33 ms in float32 (every ``inverse_freq``
+            steps), next to about 20 ms per step for the preconditioning products.
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, factor_decay: float = 0.95,
                  update_freq: int = 1, inverse_freq: int = 10, approx: Approx = "expand",
                  loss_type: LossType = "mean", kl_clip: float | None = None, lr: float = 1.0,
                  rescale_norm: bool = False, pause_hooks: bool = True,
-                 factors: FactorFn | None = None) -> None:
+                 factors: FactorFn | None = None,
+                 eigh_dtype: torch.dtype | None = torch.float64) -> None:
         if damping < 0:
             raise ValueError(f"KFAC: damping must be >= 0, got {damping}")
         if not 0 <= factor_decay < 1:
@@ -211,6 +219,7 @@ class KFAC:
         self.rescale_norm = rescale_norm
         self.pause_hooks = pause_hooks
         self.loss_type = loss_type
+        self.eigh_dtype = eigh_dtype
         self.read_factors = factors or default_factors(approx, loss_type)
         self.read_this_step = False  # factors already read by backprop_hess
         self.edges: Any = None  # the hooked outputs' edges for backprop_hess, from its first call
@@ -285,7 +294,7 @@ class KFAC:
 
     def update_eigen(self) -> None:
         """Eigendecompositions of the current running averages."""
-        self.eigen = {m: eigen_of(a, g) for m, (a, g) in self.factors.items()}
+        self.eigen = {m: eigen_of(a, g, self.eigh_dtype) for m, (a, g) in self.factors.items()}
 
     def precondition_grads(self) -> None:
         """Replace covered gradients by the damped KFAC direction, with step-size control."""

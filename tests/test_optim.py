@@ -148,6 +148,29 @@ def test_damped_direction_is_the_kronecker_solve():
         torch.testing.assert_close(m.bias.grad, want[:, -1])
 
 
+def test_eigh_dtype(monkeypatch):
+    """Eigendecompositions in the factors' own float32 give the float64 direction to float32
+    accuracy; the decomposition's dtype is what ``eigh_dtype`` says."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
+    original, seen = torch.linalg.eigh, []
+    monkeypatch.setattr(torch.linalg, "eigh", lambda t: seen.append(t.dtype) or original(t))
+    directions, dtypes = [], []
+    for eigh_dtype in (torch.float64, None):
+        copied = copy.deepcopy(model)
+        precond = KFAC(copied, damping=0.1, factors=kfac_by_hand, eigh_dtype=eigh_dtype)
+        seen.clear()
+        F.cross_entropy(copied(x), y).backward()
+        precond.step()
+        dtypes.append(set(seen))
+        directions.append([p.grad.clone() for p in copied.parameters()])
+    assert dtypes == [{torch.float64}, {torch.float32}]
+    for wide, narrow in zip(*directions):
+        assert narrow.dtype == torch.float32
+        torch.testing.assert_close(narrow, wide, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_conv_per_group_solves(bias):
     torch.manual_seed(2)
