@@ -5,6 +5,17 @@ import torch
 from torch import nn
 
 
+class AppliedTwice(nn.Module):
+    """Reuse: the same module applied twice, ``f(tanh(f(x)))``; contributions add up."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(torch.tanh(self.inner(x)))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, groups: int):
         super().__init__()

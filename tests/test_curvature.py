@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import AppliedTwice
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
@@ -480,17 +481,6 @@ class Scaler(nn.Module):
         return x * self.w
 
 
-class Composed(nn.Module):
-    """``f(tanh(f(x)))``: the inner module's weight used twice."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.inner(torch.tanh(self.inner(x)))
-
-
 def test_backprop_hess_passes_that_cancel_are_no_unseen_use() -> None:
     """LeastSquares passes through a LayerNorm without affine: the passes' seeds sum to a
     direction the normalization ignores, so the passes' parameter gradients cancel and their sum
@@ -499,7 +489,7 @@ def test_backprop_hess_passes_that_cancel_are_no_unseen_use() -> None:
     unseen use is still reported after several passes (``test_probes``: the tied classifier)."""
     for seed in range(40):
         torch.manual_seed(seed)
-        model = nn.Sequential(Composed(nn.Linear(3, 3, bias=False)), nn.Tanh(),
+        model = nn.Sequential(AppliedTwice(nn.Linear(3, 3, bias=False)), nn.Tanh(),
                               nn.LayerNorm(3, elementwise_affine=False)).to(DT)
         with psh.add_hooks(model):
             psh.backprop_hess(model(torch.randn(2, 3, dtype=DT)), "LeastSquares")

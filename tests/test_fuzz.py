@@ -30,6 +30,7 @@ import torch
 from conftest import FUZZ_PROFILE
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from models import AppliedTwice
 from norms_truth import loop_clipped
 from torch import nn
 
@@ -43,17 +44,6 @@ FUZZ = settings(settings.get_profile(FUZZ_PROFILE),
                    if os.environ.get("PSH_FUZZ_EXAMPLES") else {}))
 
 ACTIVATIONS = [nn.Tanh, nn.GELU, nn.Sigmoid, lambda: nn.ReLU(inplace=True), nn.Identity]
-
-
-class Twice(nn.Module):
-    """Reuse: the same module applied twice (``f(f(x))``), contributions add up."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(torch.tanh(self.inner(x)))
 
 
 class Residual(nn.Module):
@@ -110,7 +100,7 @@ def dense_models(draw):
             width = out
         else:
             inner = nn.Linear(width, width, bias=draw(st.booleans()))
-            layers.append(Twice(inner) if kind == "twice" else Residual(inner))
+            layers.append(AppliedTwice(inner) if kind == "twice" else Residual(inner))
         layers.append(draw(st.sampled_from(ACTIVATIONS))())
         if draw(st.integers(0, 2)) == 0:
             layers.append(draw(feature_norms(width)))
