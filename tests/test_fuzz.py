@@ -284,7 +284,7 @@ def check_everything(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm
                                    msg=lambda m, n=n: f"formed clipped {n}: {m}")
     check_second_moments(moments, expected, loss_type)
     assert_kfac_close(kfac, loop_kfac(model, x, loss_type, batch_dim))
-    check_gauss_newton(model, x, batch_dim, edges)
+    check_gauss_newton(model, x, batch_dim, edges, loss_type)
 
 
 def hess_blocks(model: nn.Module, loss_type: str) -> dict[str, torch.Tensor]:
@@ -430,22 +430,23 @@ def assert_kfac_close(got: dict[str, dict], expected: dict[str, dict]) -> None:
                                        msg=lambda m, x=approx: f"G {x}: {m}")
 
 
-def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges: bool) -> None:
-    """After ``backprop_hess(output, "LeastSquares", loss_type="sum")`` (the output flattened
-    to ``[B, o]``: one pass per column; ``edges``: passes to the hooked outputs only), the Fisher
-    diagonal, Gram matrix, ``p.hess`` (Linear and conv layers) and KFAC factors (Linear) against
-    the float64 loop's per-sample Jacobian rows ``J_ik = dy_ik/dp``: ``sum_ik J^2``,
-    ``sum_k <J_ik, J_jk>``, ``sum_ik J J^T``."""
+def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges: bool,
+                       loss_type: str) -> None:
+    """After ``backprop_hess(output, "LeastSquares", loss_type=loss_type)`` (the output
+    flattened to ``[B, o]``: one pass per column; ``edges``: passes to the hooked outputs only),
+    the Fisher diagonal, Gram matrix, ``p.hess`` (Linear and conv layers) and KFAC factors
+    (Linear) against the float64 loop's per-sample Jacobian rows ``J_ik = dy_ik/dp``:
+    ``sum_ik J^2``, ``sum_k <J_ik, J_jk>``, ``sum_ik J J^T`` (``1/N`` of it for the mean)."""
     psh.add_hooks(model)
     recorder = OutputEdges(model) if edges else None
     try:
         output = model(x)
-        psh.backprop_hess(output.reshape(output.shape[0], -1), "LeastSquares", loss_type="sum",
-                          edges=recorder)
-        fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, "sum").items()}
-        gram = psh.compute_gram(model, "sum").clone()
-        hess = hess_blocks(model, "sum")
-        kfac = hooked_kfac(model, "sum")
+        psh.backprop_hess(output.reshape(output.shape[0], -1), "LeastSquares",
+                          loss_type=loss_type, edges=recorder)
+        fisher = {n: t.clone() for n, t in psh.compute_fisher_diag(model, loss_type).items()}
+        gram = psh.compute_gram(model, loss_type).clone()
+        hess = hess_blocks(model, loss_type)
+        kfac = hooked_kfac(model, loss_type)
     finally:
         if recorder is not None:
             recorder.remove()
@@ -462,10 +463,11 @@ def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges:
     everything = torch.cat(list(flat.values()), 2)
     torch.testing.assert_close(gram, torch.einsum("ikp,jkp->ij", everything, everything),
                                rtol=1e-9, atol=1e-10)
+    mean = batch if loss_type == "mean" else 1
     for n, block in hess.items():
-        torch.testing.assert_close(block, torch.einsum("ikp,ikq->pq", flat[n], flat[n]),
+        torch.testing.assert_close(block, torch.einsum("ikp,ikq->pq", flat[n], flat[n]) / mean,
                                    rtol=1e-9, atol=1e-10, msg=lambda m, n=n: f"GN hess {n}: {m}")
-    assert_kfac_close(kfac, loop_kfac(model, x, "sum", batch_dim,
+    assert_kfac_close(kfac, loop_kfac(model, x, loss_type, batch_dim,
                                       lambda out: list(out.flatten())))
 
 
