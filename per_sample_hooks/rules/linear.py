@@ -196,16 +196,14 @@ class LinearRule(Rule):
         default (materialize, square, free)."""
         if len(calls) != 1 or calls[0].activation().dim() != 2:
             return super().sum_squared_grads(module, calls, scale, params)
-        squared_acts = calls[0].activation().square()
-        result = {}
-        for name in params:
-            total = None
-            for grads in calls[0].backprops():
-                squared = grads.square()
+        squared_acts = calls[0].activation().square() if "weight" in params else None
+        result: dict[str, Tensor] = {}
+        for grads in calls[0].backprops():
+            squared = grads.square()
+            for name in params:
                 term = squared.t() @ squared_acts if name == "weight" else squared.sum(0)
-                total = term if total is None else total.add_(term)
-            result[name] = total.mul_(scale * scale)
-        return result
+                result[name] = term if name not in result else result[name].add_(term)
+        return {name: total.mul_(scale * scale) for name, total in result.items()}
 
     def gram(self, module: nn.Linear, calls: Sequence[Call], scale: float,
              params: Mapping[str, Tensor]) -> Tensor:
