@@ -311,20 +311,32 @@ def check_second_moments(moments: tuple, expected: dict[str, torch.Tensor],
                          loss_type: str) -> None:
     """:func:`second_moments` against the per-sample gradients of the float64 loop."""
     fisher, variance, gram, hess = moments
-    flat = {n: g.flatten(1) for n, g in expected.items()}
-    assert fisher.keys() == variance.keys() == expected.keys()
+    assert variance.keys() == expected.keys()
     for n, g in expected.items():
-        torch.testing.assert_close(fisher[n], g.square().sum(0), rtol=1e-9, atol=1e-10,
-                                   msg=lambda m, n=n: f"fisher diag {n}: {m}")
         torch.testing.assert_close(variance[n], g.var(0, unbiased=False), rtol=1e-9,
                                    atol=1e-10, msg=lambda m, n=n: f"variance {n}: {m}")
-    everything = torch.cat(list(flat.values()), 1)
-    torch.testing.assert_close(gram, everything @ everything.T, rtol=1e-9, atol=1e-10)
-    batch = everything.shape[0]
+    check_pass_moments(fisher, gram, hess, {n: g.unsqueeze(1) for n, g in expected.items()},
+                       loss_type, "")
+
+
+def check_pass_moments(fisher: dict, gram: torch.Tensor, hess: dict,
+                       rows: dict[str, torch.Tensor], loss_type: str, label: str) -> None:
+    """Fisher diagonal, Gram matrix and ``p.hess`` against per-sample, per-pass gradient rows
+    ``J [B, K, *p]`` (``K`` backward passes): ``sum_ik J^2``, ``sum_k <J_ik, J_jk>``,
+    ``sum_ik J J^T`` (``1/N`` of it for the mean)."""
+    flat = {n: j.flatten(2) for n, j in rows.items()}
+    assert fisher.keys() == rows.keys()
+    for n, j in rows.items():
+        torch.testing.assert_close(fisher[n], j.square().sum((0, 1)), rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"{label}fisher diag {n}: {m}")
+    everything = torch.cat(list(flat.values()), 2)
+    torch.testing.assert_close(gram, torch.einsum("ikp,jkp->ij", everything, everything),
+                               rtol=1e-9, atol=1e-10)
+    mean = everything.shape[0] if loss_type == "mean" else 1
     for n, block in hess.items():
-        expected_block = flat[n].T @ flat[n] / (batch if loss_type == "mean" else 1)
-        torch.testing.assert_close(block, expected_block, rtol=1e-9, atol=1e-10,
-                                   msg=lambda m, n=n: f"hess {n}: {m}")
+        torch.testing.assert_close(block, torch.einsum("ikp,ikq->pq", flat[n], flat[n]) / mean,
+                                   rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"{label}hess {n}: {m}")
 
 
 def formed_step(model: nn.Module, x: torch.Tensor, loss_type: str, max_norm: float) -> tuple:
@@ -455,18 +467,7 @@ def check_gauss_newton(model: nn.Module, x: torch.Tensor, batch_dim: int, edges:
     rows = [loop_grads(model, [x], lambda out, k=k: out.reshape(out.shape[0], -1)[:, k], batch,
                        batch_dim) for k in range(columns)]
     jacobian = {n: torch.stack([r[n] for r in rows], 1) for n in rows[0]}  # [B, o, *p]
-    flat = {n: j.flatten(2) for n, j in jacobian.items()}
-    assert fisher.keys() == jacobian.keys()
-    for n, j in jacobian.items():
-        torch.testing.assert_close(fisher[n], j.square().sum((0, 1)), rtol=1e-9, atol=1e-10,
-                                   msg=lambda m, n=n: f"GN fisher diag {n}: {m}")
-    everything = torch.cat(list(flat.values()), 2)
-    torch.testing.assert_close(gram, torch.einsum("ikp,jkp->ij", everything, everything),
-                               rtol=1e-9, atol=1e-10)
-    mean = batch if loss_type == "mean" else 1
-    for n, block in hess.items():
-        torch.testing.assert_close(block, torch.einsum("ikp,ikq->pq", flat[n], flat[n]) / mean,
-                                   rtol=1e-9, atol=1e-10, msg=lambda m, n=n: f"GN hess {n}: {m}")
+    check_pass_moments(fisher, gram, hess, jacobian, loss_type, "GN ")
     assert_kfac_close(kfac, loop_kfac(model, x, loss_type, batch_dim,
                                       lambda out: list(out.flatten())))
 
