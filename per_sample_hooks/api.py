@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -15,9 +16,10 @@ from torch import Tensor, nn
 from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, live_states, unwrap
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .rules import Rule, RuleRegistry, default_registry
+from .rules.base import KeptGrads, contract_samples
 from .rules.fallback import FallbackRule, unit_parameters
 from .rules.formed import FormedRule
-from .unseen import UnseenUseCheck
+from .unseen import CheckUnseen, UnseenUseCheck, check_mode
 
 LossType = Literal["mean", "sum"]
 
@@ -73,7 +75,7 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
 
 
 def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = True,
-              units: Iterable[nn.Module | str] = (), check_unseen: bool = True,
+              units: Iterable[nn.Module | str] = (), check_unseen: CheckUnseen = True,
               registry: RuleRegistry = default_registry) -> HookState:
     """Instrument every submodule of ``model`` that has parameters of its own.
 
@@ -91,7 +93,10 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     0). Attention, transformer and recurrent layers read it from their ``batch_first``.
 
     ``check_unseen``: detect parameter uses outside their module's forward (raise rather than
-    return per-sample gradients that miss a term; see :mod:`per_sample_hooks.unseen`).
+    return per-sample quantities that miss a term; see :mod:`per_sample_hooks.unseen`): True
+    checks the first step, every step of a new captured structure (modules called, how often,
+    batch sizes) and a random sample of the others at about 2% of the training time;
+    ``"always"`` every step; False never.
 
     Returns the model's hook state, also a context manager: ``with add_hooks(model): ...``
     removes the hooks on exit. Calling it again on a hooked model returns the same state.
@@ -152,8 +157,9 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     state.rules = rules
     state.units = unit_modules
     state.isolate_outputs = unit_modules
-    if check_unseen:
-        state.unseen = UnseenUseCheck(state, owners)
+    mode = check_mode(check_unseen)
+    if mode is not None:
+        state.unseen = UnseenUseCheck(state, owners, mode)
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
 
@@ -361,8 +367,9 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     persistent buffers, overwritten by the next call: clone them to keep them.
     """
     state, step = prepare_step(model, loss_type, "compute_grad1")
-    first_buffer: dict[nn.Parameter, Tensor] = {}  # a parameter shared by modules: summed here
-    projections = UnseenProjections(state)
+    written: dict[tuple[int, str], Tensor] = {}
+    seen: dict[nn.Parameter, Tensor] = {}  # each parameter's grad1 buffer
+    shared: list[tuple[Tensor, Tensor]] = []  # a parameter of several modules: summed at the end
     empty = step.batch_size == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
         out = {name: state.buffer(layer.module, name, step.batch_size, p)
@@ -376,15 +383,18 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
             else:  # the module's output did not reach the loss: its per-sample gradients are zero
                 for buf in out.values():
                     buf.zero_()
-            projections.add(layer, step.scale, out)
+            written.update({(id(layer.module), n): buf for n, buf in out.items()})
         for name, buf in out.items():
             p = layer.parameters[name]
-            first = first_buffer.setdefault(p, buf)
-            if first is buf:
-                p.grad1 = buf
+            if p in seen:
+                shared.append((seen[p], buf))
             else:
-                first.add_(buf)
-    projections.verify()
+                seen[p] = buf
+                p.grad1 = buf
+    if not empty:  # the hooked sums from the buffers (captured scale: 1 / step.scale)
+        check_unseen_uses(state, step, KeptGrads.holding(written), 1.0 / step.scale)
+    for first, buf in shared:
+        first.add_(buf)
 
 
 def _drop_frozen_grad1(state: HookState, layer: LayerWork) -> None:
@@ -401,52 +411,38 @@ def _drop_frozen_grad1(state: HookState, layer: LayerWork) -> None:
             del p.grad1
 
 
-class UnseenProjections:
-    """Collects, layer by layer, the rules' projections for the unseen-use check of one step
-    (keyed by ``id(parameter)``, as the check's tables are)."""
-
-    def __init__(self, state: HookState):
-        self.check = state.unseen
-        self.hooked: dict[int, tuple[Tensor, Tensor]] = {}
-        self.users: dict[int, list[str]] = {}
-
-    def add(self, layer: LayerWork, scale: float, out: Mapping[str, Tensor] | None) -> None:
-        """Project ``layer``'s contributions (from ``out``, its per-sample gradients, if given)."""
-        if self.check is None:
-            return
-        for p in layer.parameters.values():
-            self.users.setdefault(id(p), []).append(layer.name)
-        probes = self.check.probes_for(layer.parameters)
-        if not probes or not layer.calls:
-            return
-        for n, (value, rounding) in layer.rule.probe(layer.module, layer.calls, probes, scale,
-                                                     out).items():
-            key = id(layer.parameters[n])
-            if key in self.hooked:
-                value, rounding = value + self.hooked[key][0], rounding + self.hooked[key][1]
-            self.hooked[key] = (value, rounding)
-
-    def verify(self) -> None:
-        if self.check is not None:
-            self.check.verify(self.hooked, self.users)
-
-
-def check_unseen_uses(state: HookState, step: Step,
-                      kept: Callable[[nn.Module, str], Tensor | None] | None = None) -> None:
-    """The unseen-use check of :mod:`per_sample_hooks.unseen` for a step whose per-sample
-    quantities are not all materialized (norms, clipping, curvature): each rule's cheap probe of
-    its captured pairs, or of the per-sample gradients ``kept(module, name)`` returns (written
-    as captured, without the loss scale) where it has them. Raises before anything is
+def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = None,
+                      kept_scale: float = 1.0) -> None:
+    """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
+    checks: each layer's hooked sum is its rule's weighted sum with unit weights, or the sum
+    of the per-sample gradients in ``kept`` where it has all of the layer's (``kept_scale``
+    times them is as captured), compared with autograd's gradients. Raises before anything is
     written."""
-    if state.unseen is None:
+    check = state.unseen
+    if check is None or not check.totals:
         return
-    projections = UnseenProjections(state)
+    start = time.perf_counter()
+    hooked: dict[int, Tensor] = {}
+    users: dict[int, list[str]] = {}
     for layer in step.layers:
         out = {}
-        if kept is not None:
-            out = {n: t for n in layer.parameters if (t := kept(layer.module, n)) is not None}
-        projections.add(layer, 1.0 if out else step.scale, out or None)
-    projections.verify()
+        for n, p in layer.parameters.items():
+            users.setdefault(id(p), []).append(layer.name)
+            if id(p) in check.totals and layer.calls:
+                out[n] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        if not out:
+            continue
+        ones = out[next(iter(out))].new_ones(step.batch_size)
+        stored = {n: kept.get(layer.module, n) for n in out} if kept is not None else {}
+        if all(t is not None for t in stored.values()) and stored:
+            for n, target in out.items():
+                contract_samples(target, stored[n], ones * kept_scale)
+        else:
+            layer.rule.weighted_sum(layer.module, layer.calls, ones, out, keep=kept)
+        for n, value in out.items():
+            key = id(layer.parameters[n])
+            hooked[key] = value if key not in hooked else hooked[key].add_(value)
+    check.verify(hooked, users, time.perf_counter() - start)
 
 
 def per_sample_parameters(model: nn.Module) -> Sequence[nn.Parameter]:

@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
-from .dp import OutputEdges
+from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .norms import _parameter_names
 from .rules.base import split_passes
@@ -173,11 +173,12 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     other backward of the step: every captured pass counts. ``retain_graph=True`` keeps the
     graph for a later ``loss.backward()`` (after the ``compute_*`` call).
 
-    ``edges``: an :class:`~per_sample_hooks.dp.OutputEdges` of the model, made before the
+    ``edges``: an :class:`~per_sample_hooks.edges.OutputEdges` of the model, made before the
     forward: each pass then goes only as far as the hooked modules' outputs it recorded, and
     computes no parameter (or input) gradient, which the passes do not need: the
     weight-gradient products, about a third of a backward, are skipped in every pass. The
-    edges are used up; if it recorded none (made after this forward), the leaves are used.
+    edges are used up; if it recorded none (made after this forward), or the unseen-use check
+    runs on this step (it compares parameter gradients), the leaves are used.
     """
     if hess_type not in HESS_TYPES:
         raise ValueError(f"backprop_hess: hess_type must be one of {HESS_TYPES}, "
@@ -199,6 +200,8 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
         seeds = sampled_gradients(output, hess_type, n_samples, generator)
     factor = 1.0 / output.shape[0] if loss_type == "mean" else 1.0
     recorded = edges.take() if edges is not None else []
+    if recorded and edges.check_due():
+        recorded = []
     leaves = [] if recorded else graph_leaves(output)
     if not recorded and not leaves:
         raise PerSampleHooksError("backprop_hess: output depends on no tensor that requires "

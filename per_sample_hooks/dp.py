@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from functools import partial
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
 
 from . import distributed
-from .api import LossType, add_hooks, form_on_arrival
-from .capture import gradient_tensor
-from .errors import PerSampleHooksError
+from .api import LossType
+from .edges import OutputEdges
 from .norms import _check_max_norm, clip_grads
 
 Sampling = Literal["poisson", "fixed"]
@@ -81,86 +77,6 @@ def fixed_size_batch(dataset_size: int, batch_size: int, generator: torch.Genera
     return torch.randperm(dataset_size, generator=generator)[:batch_size]
 
 
-class OutputEdges:
-    """A backward that computes the gradients of the hooked modules' outputs and nothing else.
-
-    Records, in every forward, the autograd edge of each output of the hooked modules (not the
-    tensor: nothing is kept alive). :meth:`backward` runs autograd's backward to those edges
-    only (``torch.autograd.backward(loss, inputs=edges)``), so the capture hooks see every
-    output gradient while the parameter gradients of the ordinary backward (one weight-gradient
-    product per layer, about a third of its cost) are skipped: ``p.grad`` is left as it was.
-    Not ``torch.autograd.grad``: it holds every requested gradient until it returns, so no
-    layer's could be freed during the backward (measured: the T=256 token model's clipping
-    step peaked at 1.23x a plain step that way, 1.15x now). For
-    :func:`~per_sample_hooks.clip_grads`, which rebuilds the gradients from the captured pairs
-    anyway (book-keeping, Bu et al. 2023).
-
-    ``form_on_arrival=True``: as each layer's output gradient arrives, form its per-sample
-    gradients (into buffers freed with the step's records) and drop its captured input and
-    output gradient when those hold at least twice as many numbers
-    (:func:`~per_sample_hooks.api.form_on_arrival`: LayerNorm, Linear and convolutions over
-    many positions). This lowers the peak memory of a clipping step (the captured pairs of such
-    layers are not all held until the end of the backward) and makes their clipped sum a
-    contraction; the step then serves
-    ``compute_grad1``, ``compute_norms``, ``clip_grads`` and the second moments, but not
-    ``compute_kfac``, and only one backward pass of each forward.
-    """
-
-    def __init__(self, model: nn.Module, *, form_on_arrival: bool = False):
-        state = add_hooks(model)
-        self.edges: list[Any] = []
-        self.form_on_arrival = form_on_arrival
-        self._state = state
-        self._handles = [module.register_forward_hook(self._record)
-                         for module in state.modules]
-        state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
-
-    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
-        # a copy of the model (copy.deepcopy) has a copy of this hook, and no state: a no-op
-        if self._state is None or not self._state.enabled or not torch.is_grad_enabled():
-            return
-        for leaf in tree_flatten(output)[0]:
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
-                self.edges.append(get_gradient_edge(gradient_tensor(leaf)))
-
-    def backward(self, loss: Tensor) -> None:
-        """Backpropagate ``loss`` to the recorded outputs only; forget the records."""
-        if not self.edges:
-            raise PerSampleHooksError(
-                "backward: no output of a hooked module was recorded since the last backward; "
-                "run the forward pass with grad enabled first")
-        edges = self.take()
-        if self.form_on_arrival:
-            self._state.on_gradient = partial(form_on_arrival, self._state)
-        try:
-            torch.autograd.backward(loss, inputs=edges)
-        finally:
-            self._state.on_gradient = None
-
-    def take(self) -> list[Any]:
-        """The edges recorded since the last backward, forgotten here (for a backward of the
-        caller's own, e.g. :func:`~per_sample_hooks.curvature.backprop_hess`'s passes)."""
-        edges, self.edges = self.edges, []
-        return edges
-
-    def captured_passes(self) -> int:
-        """How many output gradients the model's hooks hold (all calls, all passes)."""
-        if self._state is None:
-            return 0
-        return sum(len(passes) for calls in self._state.calls.values() for call in calls
-                   for passes in call.grads)
-
-    def clear(self) -> None:
-        self.edges = []
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        if self._state is not None and self.clear in self._state.on_clear:
-            self._state.on_clear.remove(self.clear)
-        self._handles, self.edges = [], []
-
-
 class DPSGD:
     """Differentially private training step around ``optimizer`` (any ``torch.optim``).
 
@@ -203,11 +119,6 @@ class DPSGD:
         self.accountant = make_accountant(accountant)
         self.generator = generator
         self.steps = 0
-        # backward() is an ordinary one until a step has clipped a non-empty batch after it:
-        # then the unseen-use check (per_sample_hooks.unseen) has seen every parameter's
-        # gradient once; the edge backward computes no parameter gradient to check against
-        self.checked = False
-        self._ordinary_backward = False
         self.output_edges = OutputEdges(model, form_on_arrival=True)
         self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
         if self.distributed:
@@ -234,20 +145,15 @@ class DPSGD:
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` without the parameter gradients, which :meth:`step` rebuilds
-        clipped (about a third of the backward saved). ``loss.backward()`` works too.
-
-        Until the first step with samples, an ordinary ``loss.backward()``: its parameter
-        gradients let :func:`~per_sample_hooks.clip_grads` check that no parameter is used
-        outside its module's forward (a use the clipping cannot see; it raises). Later steps
-        skip them, so a use that appears only in later steps goes unnoticed: call
-        ``loss.backward()`` instead to check every step. Under DDP always a plain
-        ``loss.backward()`` (DDP's reducer expects every parameter's gradient; its all-reduce
-        is off). The edge backward forms per-sample gradients on arrival where that holds
-        fewer numbers than the captured pair (:class:`OutputEdges`, ``form_on_arrival``)."""
-        if self.distributed or not self.checked:
+        clipped (about a third of the backward saved; :class:`OutputEdges`, forming per-sample
+        gradients on arrival where that holds fewer numbers than the captured pair).
+        ``loss.backward()`` works too. On the steps the unseen-use check runs
+        (:mod:`per_sample_hooks.unseen`: the first, every new captured structure, a sample of
+        the rest) and under DDP (whose reducer expects every parameter's gradient; its
+        all-reduce is off), an ordinary ``loss.backward()``."""
+        if self.distributed:
             self.output_edges.clear()
             loss.backward()
-            self._ordinary_backward = True
             return
         self.output_edges.backward(loss)
 
@@ -273,8 +179,6 @@ class DPSGD:
             norms = clip_grads(self.model, self.max_grad_norm, self.loss_type,
                                release_records=True)
             actual = len(norms)
-            self.checked = self.checked or (self._ordinary_backward and actual > 0)
-        self._ordinary_backward = False
         # clip_grads gives the clipped mean (mean loss) or sum; rescale to sum / expected size
         expected = self.batch_size * (dist.get_world_size() if self.distributed else 1)
         factor = (actual if self.loss_type == "mean" else 1) / expected

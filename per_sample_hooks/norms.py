@@ -118,7 +118,7 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
         return _empty_batch_norms(model, step, per_param)
     keep = _kept_grads(state, step)  # as clip_grads: batched, and read again by the check
     squared = _per_parameter_squared(model, step, "compute_norms", keep)
-    check_unseen_uses(state, step, keep.get)
+    check_unseen_uses(state, step, keep)
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "compute_norms")
     if per_param:
@@ -242,15 +242,15 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
                 _grad_target(p).zero_()
         return _empty_batch_norms(model, step, per_param=False)
     # records released as soon as a layer's per-sample gradients are all kept; only when the
-    # unseen-use check has nothing to compare (the output-edge backward computes no parameter
-    # gradient), since confirming a failed check re-runs the captured calls
+    # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
+    # computed no parameter gradient), since confirming a failed check re-runs the captured calls
     early = release_records and not (state.unseen is not None and state.unseen.totals)
     if release_records:
         state.released_by = "clip_grads(release_records=True)"
     keep = _kept_grads(state, step, per_layer=early)
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep) if early else None
     squared = _per_parameter_squared(model, step, "clip_grads", keep, after)
-    check_unseen_uses(state, step, keep.get)  # probes from the kept per-sample gradients
+    check_unseen_uses(state, step, keep)  # contracts the kept per-sample gradients
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.

@@ -67,6 +67,7 @@ from torch import Tensor, nn
 
 from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hooks
 from .capture import STATE_ATTRIBUTE, unwrap
+from .edges import OutputEdges
 
 Factors = Mapping[nn.Module, tuple[Tensor, Tensor]]
 FactorFn = Callable[[nn.Module], Factors]
@@ -222,9 +223,9 @@ class KFAC:
         self.eigh_dtype = eigh_dtype
         self.read_factors = factors or default_factors(approx, loss_type)
         self.read_this_step = False  # factors already read by backprop_hess
-        self.edges: Any = None  # the hooked outputs' edges for backprop_hess, from its first call
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
+        self.edges = OutputEdges(model)  # the hooked outputs' edges for backprop_hess
         self.steps = 0
         self.factors: dict[nn.Module, tuple[Tensor, Tensor]] = {}  # running averages, grouped
         self.eigen: dict[nn.Module, Eigen] = {}
@@ -244,18 +245,14 @@ class KFAC:
         ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
         ``o`` passes (see :func:`per_sample_hooks.curvature.backprop_hess`).
 
-        The first call's passes go to the graph's leaves (so the unseen-use check sees every
-        parameter's gradient once, as ``DPSGD``'s first step does); later calls' passes stop
-        at the hooked layers' outputs (``backprop_hess(..., edges=)``, recorded in every forward
-        from the first call on) and compute no parameter gradient: a parameter use outside its
-        module that appears only after the first call goes unnoticed.
+        The passes stop at the hooked layers' outputs (``backprop_hess(..., edges=)``,
+        recorded in every forward) and compute no parameter gradient, except on the steps the
+        unseen-use check runs (:mod:`per_sample_hooks.unseen`), whose passes go to the graph's
+        leaves so that it has parameter gradients to compare.
         """
         if self.steps % self.update_freq != 0 or self.read_this_step:
             return
         from .curvature import backprop_hess  # noqa: PLC0415
-        from .dp import OutputEdges  # noqa: PLC0415
-        if self.edges is None:  # records from the next forward on; this one's passes: leaves
-            self.edges = OutputEdges(self.model)
         backprop_hess(output, hess_type, loss_type=self.loss_type, n_samples=n_samples,
                       generator=generator, retain_graph=True, edges=self.edges)
         self.update_factors(self.read_factors(self.model))

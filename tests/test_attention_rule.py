@@ -9,7 +9,6 @@ from torch import nn
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
 from per_sample_hooks.rules.attention import MultiheadAttentionRule
-from per_sample_hooks.rules.base import rerun_projection
 
 HEADS = "heads"  # a [B * heads, L, S] mask: sample i owns rows heads*i ... heads*i + heads - 1
 
@@ -308,28 +307,29 @@ def test_norms_and_clipping(frozen, options, loss_type):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_probes_equal_autograd_and_no_false_alarm(dtype):
-    """The rule's probes (no per-sample gradients) equal the projections of autograd's
-    batch-summed gradient; grad1, norms and clipping raise no unseen-use alarm."""
+def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype):
+    """The rule's weighted sum with unit weights (the unseen-use check's hooked sum) equals
+    autograd's batch-summed gradient; grad1, norms and clipping, each checked, raise no
+    unseen-use alarm."""
     torch.manual_seed(0)
     model = AttentionThenHead(None, add_bias_kv=True, add_zero_attn=True).to(dtype)
     x = torch.randn(6, 5, 4, dtype=dtype)
-    state = psh.add_hooks(model)
+    state = psh.add_hooks(model, check_unseen="always")
     try:
         weighted_square(model(x)).mean().backward()
         calls = [c for c in state.calls[model.att] if c.has_grads]
-        generator = torch.Generator().manual_seed(3)
-        probes = {n: (torch.randn(2, p.shape[0], generator=generator, dtype=dtype),
-                      torch.randn(2, p[0].numel(), generator=generator, dtype=dtype))
-                  for n, p in model.att.named_parameters()}
-        got = MultiheadAttentionRule().probe(model.att, calls, probes, 6.0)
-        expected = rerun_projection(model.att, calls, probes)
-        assert got.keys() == expected.keys()
-        for n in expected:
-            torch.testing.assert_close(got[n][0], expected[n], msg=lambda m, n=n: f"{n}: {m}")
+        params = dict(model.att.named_parameters())
+        out = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
+        MultiheadAttentionRule().weighted_sum(model.att, calls, torch.ones(6, dtype=dtype), out)
+        tolerance = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        for n, p in params.items():
+            torch.testing.assert_close(out[n], p.grad, msg=lambda m, n=n: f"{n}: {m}",
+                                       **tolerance)
         psh.compute_norms(model)
+        model.zero_grad()
         weighted_square(model(x)).mean().backward()
         psh.clip_grads(model, 1.0)
+        model.zero_grad()
         weighted_square(model(x)).mean().backward()
         psh.compute_grad1(model)
         assert model.att.out_proj.weight.grad1.shape == (6, 4, 4)

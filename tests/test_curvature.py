@@ -94,12 +94,14 @@ def test_compute_hess_equals_exact_hessian(net: str, hess_type: str, loss_type: 
 
 
 def curvature_after_backprop_hess(model: nn.Module, x: Tensor, hess_type: str,
-                                  n_samples: int | None, edges: str) -> tuple[dict, dict, int]:
+                                  n_samples: int | None, edges: str, check: bool = False
+                                  ) -> tuple[dict, dict, int]:
     """``p.hess``, KFAC factors and Fisher diagonal after ``backprop_hess`` with ``edges``:
     ``"none"``, ``"recorded"`` (an ``OutputEdges`` made before the forward) or ``"late"`` (made
-    after it: nothing recorded); and how many parameter gradients its passes computed."""
+    after it: nothing recorded); and how many parameter gradients its passes computed.
+    ``check``: the unseen-use check is on (this first step is checked)."""
     computed = []
-    with psh.add_hooks(model):
+    with psh.add_hooks(model, check_unseen=check):
         handles = [p.register_hook(computed.append) for p in model.parameters()]
         recorder = OutputEdges(model) if edges == "recorded" else None
         output = model(x)
@@ -126,17 +128,18 @@ def test_backprop_hess_to_recorded_output_edges(net: str, hess_type: str,
                                                 n_samples: int | None) -> None:
     """With ``edges`` the passes stop at the hooked outputs: the same curvature (exact and
     Monte-Carlo, one generator seed) from passes that compute no parameter gradient; edges
-    recorded after the forward fall back to the leaves."""
+    recorded after the forward, and a step the unseen-use check runs, go to the leaves."""
     torch.manual_seed(0)
     model, x = NETS[net]()
     model, x = model.to(DT), x.to(DT)
     hess, rest, leaf_grads = curvature_after_backprop_hess(model, x, hess_type, n_samples, "none")
     passes = 3 if n_samples is None else n_samples
     assert leaf_grads == passes * len(list(model.parameters()))
-    for edges, expected_grads in (("recorded", 0), ("late", leaf_grads)):
+    for edges, check, expected_grads in (("recorded", False, 0), ("late", False, leaf_grads),
+                                         ("recorded", True, leaf_grads)):
         got_hess, got_rest, grads = curvature_after_backprop_hess(model, x, hess_type,
-                                                                  n_samples, edges)
-        assert grads == expected_grads, edges
+                                                                  n_samples, edges, check)
+        assert grads == expected_grads, (edges, check)
         for expected, got in ((hess, got_hess), (rest, got_rest)):
             assert got.keys() == expected.keys()
             for key in expected:
@@ -148,6 +151,7 @@ def test_backprop_hess_refuses_edges_of_another_model() -> None:
     """Edges that the output does not reach would leave the hooks empty (zero curvature)."""
     first, second = (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in "ab")
     psh.add_hooks(second)
+    psh.add_hooks(first, check_unseen=False)  # a checked step would go to the leaves
     edges = OutputEdges(first)
     first(torch.randn(5, 3))
     with pytest.raises(PerSampleHooksError, match="no output that edges recorded is reached"):

@@ -53,8 +53,15 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).sum(1) + out[:, 0]
 
 
+def edges_without_check(model: nn.Module) -> OutputEdges:
+    """An edge backward on every step: the unseen-use check (which would make a checked step's
+    backward an ordinary one) is off; its schedule is tested in test_dp."""
+    psh.add_hooks(model, check_unseen=False)
+    return OutputEdges(model, form_on_arrival=True)
+
+
 def formed_backward(model: nn.Module, inputs: list, loss_type: str) -> OutputEdges:
-    edges = OutputEdges(model, form_on_arrival=True)
+    edges = edges_without_check(model)
     losses = loss_fn(model(*inputs))
     edges.backward(losses.mean() if loss_type == "mean" else losses.sum())
     return edges
@@ -111,7 +118,7 @@ def test_formed_records_hold_no_input_and_second_moments_are_exact():
 
 def test_kfac_is_refused_for_formed_layers_only():
     layer = nn.Linear(2, 1).double()
-    edges = OutputEdges(layer, form_on_arrival=True)
+    edges = edges_without_check(layer)
     edges.backward(layer(torch.randn(3, 20, 2, dtype=torch.double)).sum())
     with pytest.raises(UnsupportedModuleError, match="form_on_arrival"):
         psh.compute_kfac(layer)
@@ -139,14 +146,14 @@ def test_unformable_calls_keep_their_records():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(),
                           nn.Linear(2 * 36, 2)).double()
-    edges = OutputEdges(model, form_on_arrival=True)
+    edges = edges_without_check(model)
     edges.backward(model(torch.randn(3, 1, 8, 8, dtype=torch.double)).sum())
     assert formed_names(model) == {"0"}  # the conv; the BatchNorm is not formed
     with pytest.raises(PerSampleHooksError, match="batch statistics"):
         psh.compute_norms(model)
 
     layer = nn.LayerNorm(4).double()
-    edges = OutputEdges(layer, form_on_arrival=True)
+    edges = edges_without_check(layer)
     x = torch.randn(3, 9, 4, dtype=torch.double, requires_grad=True)
     y = x * 1
     out = layer(y)
@@ -158,15 +165,15 @@ def test_unformable_calls_keep_their_records():
         psh.compute_norms(layer)
 
 
-def test_dpsgd_forms_after_its_first_step():
+def test_dpsgd_forms_on_unchecked_steps():
     """DPSGD's edge backward forms; its clipped step equals one after loss.backward()."""
     from per_sample_hooks.dp import DPSGD
     results = []
     for use_dp_backward in (False, True):
         model, inputs = make_case(4, 6, 4)
+        psh.add_hooks(model, check_unseen=False)
         dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
                    max_grad_norm=0.1, dataset_size=16, batch_size=4, accountant=None)
-        dp.checked = True  # as after a first checked step
         dp.zero_grad()
         losses = loss_fn(model(*inputs))
         if use_dp_backward:
@@ -219,7 +226,7 @@ def test_sequence_first_layers_are_formed_exactly():
     model = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 2), nn.Tanh()).double()
     x = torch.randn(12, 4, 3, dtype=torch.double)  # [T, B, d]
     loss_fn = lambda out: out.pow(2).sum((0, 2))  # noqa: E731  per sample: [B]
-    psh.add_hooks(model, batch_dim=1)
+    psh.add_hooks(model, batch_dim=1, check_unseen=False)
     edges = OutputEdges(model, form_on_arrival=True)
     edges.backward(loss_fn(model(x)).sum())
     assert formed_names(model) == {"0", "1"}

@@ -33,10 +33,9 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..unseen import Probe
 from .base import KeptGrads, Rule, contract_samples, register_rule
 from .ghost import weighted_bias_sum, weighted_weight_sum
-from .linear import add_outer_products, add_position_sums, linear_probe
+from .linear import add_outer_products, add_position_sums
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")
@@ -383,20 +382,3 @@ class MultiheadAttentionRule(Rule):
             for term in call_terms:
                 add_weighted(region(todo[term.name], term, 0), term, weights, i > 0)
 
-    def probe(self, module: nn.MultiheadAttention, calls: Sequence[Call],
-              probes: Mapping[str, Probe], scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        """From ``out`` when given (the default), else Linear-form projections of the terms:
-        ``u^T (sum_b G_b^T A_b) v = sum_{b,t} (G u)(A v)``."""
-        if out is not None and all(n in out for n in probes):
-            return super().probe(module, calls, probes, scale, out)
-        result: dict[str, tuple[Tensor, Tensor]] = {}
-        for term in (t for terms in all_terms(module, calls, list(probes)) for t in terms):
-            u, v = probes[term.name]
-            if term.rows is not None:
-                u = u[:, term.rows]
-            value, rounding = linear_probe(term.grads, term.acts, (u, v))
-            if term.name in result:
-                value, rounding = value + result[term.name][0], rounding + result[term.name][1]
-            result[term.name] = (value, rounding)
-        return result

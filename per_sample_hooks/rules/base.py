@@ -12,11 +12,9 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from ..capture import Call
 from ..errors import PerSampleHooksError, UnsupportedModuleError
-from ..unseen import Probe, project, project_samples
 
 
 class KeptGrads:
@@ -53,6 +51,13 @@ class KeptGrads:
 
     def get(self, module: nn.Module, name: str) -> Tensor | None:
         return self._kept.get((id(module), name))
+
+    @classmethod
+    def holding(cls, tensors: Mapping[tuple[int, str], Tensor]) -> KeptGrads:
+        """Per-sample gradients already written, keyed by ``(id(module), name)``; no budget."""
+        kept = cls(0, lambda *args: None)
+        kept._kept.update(tensors)
+        return kept
 
 
 class Rule:
@@ -128,26 +133,6 @@ class Rule:
                 self.grad1(module, calls, 1.0, {name: per_sample})
             contract_samples(target, per_sample, weights)
             del per_sample
-
-    def probe(self, module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe],
-              scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        """Random projections of the batch-summed contributions (unscaled, as autograd sums
-        them) of ``calls`` to each parameter in ``probes``, with their rounding scales; used to
-        detect parameter uses no hook sees (see :mod:`per_sample_hooks.unseen`).
-
-        Default: from the per-sample gradients in ``out`` when given (written by :meth:`grad1`
-        with ``scale``; one read of them), else one re-run of the module's forward and backward
-        on the whole batch. Rules override it with something cheaper from the captured pairs.
-        """
-        if out is not None and all(n in out for n in probes):
-            result = {}
-            for n, probe in probes.items():
-                value, rounding = project_samples(out[n], probe)
-                result[n] = (value / scale, rounding / scale)
-            return result
-        return {n: (value, value.abs()) for n, value in rerun_projection(module, calls, probes)
-                .items()}
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
@@ -270,30 +255,6 @@ def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:
         torch.mv(flat.t(), weights.to(flat.dtype), out=out.view(-1))
     else:
         out.copy_((weights.to(flat.dtype) @ flat).view(out.shape))
-
-def rerun_projection(module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe]
-                     ) -> dict[str, Tensor]:
-    """Projections of the batch-summed parameter gradients of ``calls``, from one re-run of the
-    module's forward (inside ``torch.func.vjp``, so that hooks do not record it) per call."""
-    params = dict(module.named_parameters())
-    weights = {n: params[n].detach() for n in probes}
-    totals: dict[str, Tensor] = {}
-    for call in calls:
-        leaves = [j for j, passes in enumerate(call.grads) if passes]
-        grads = [sum(call.grads[j][1:], call.grads[j][0]) for j in leaves]
-
-        def forward(w: dict[str, Tensor], call: Call = call, leaves: list = leaves) -> list:
-            output = torch.func.functional_call(module, w, call.args, call.kwargs)
-            flat = tree_flatten(output)[0]
-            return [flat[j] for j in leaves]
-
-        _, vjp = torch.func.vjp(forward, weights)
-        (result,) = vjp(grads)
-        for n, g in result.items():
-            value = project(g.reshape(probes[n][0].shape[1], -1), probes[n])
-            totals[n] = value if n not in totals else totals[n] + value
-    return totals
-
 
 R = TypeVar("R", bound=Rule)
 

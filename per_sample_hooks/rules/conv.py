@@ -24,7 +24,7 @@ measured faster: 3d convolutions with many input channels per group
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,6 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..unseen import Probe, project_samples
 from .base import (
     KeptGrads,
     Rule,
@@ -278,88 +277,6 @@ class ConvRule(Rule):
              params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Exact Gauss-Newton blocks from per-pass per-sample gradients."""
         return hess_from_grad1(self, module, calls, scale, params)
-
-    def probe(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
-              probes: Mapping[str, Probe], scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        """``u^T (sum_b grad_weight_b) v = sum_{b,t} (gy u)(patches v)``: the patches side is
-        the layer's own convolution with ``v`` as a kernel of ``N_PROBES`` output channels per
-        group (nothing unfolded); the weight's from ``out`` when :meth:`grad1` wrote it (one
-        read, cheaper than that convolution). The bias always from its terms per sample and
-        position: a normalization after the layer cancels them exactly, and only their own
-        magnitude bounds the rounding of what is left."""
-        def weight_sides(call: Call, v: Tensor) -> tuple[Tensor, Tensor]:
-            projected = module._conv_forward(layer_input(call), probe_kernel(module, v), None)
-            return call.backprop(), projected
-        return probe_convolution(module.groups, calls, probes, scale, out, weight_sides)
-
-
-def probe_convolution(groups: int, calls: Sequence[Call], probes: Mapping[str, Probe],
-                      scale: float, out: Mapping[str, Tensor] | None,
-                      weight_sides: Callable[[Call, Tensor], tuple[Tensor, Tensor]]
-                      ) -> dict[str, tuple[Tensor, Tensor]]:
-    """:meth:`Rule.probe` of a (transposed) convolution: per probe, the projection of the
-    batch-summed gradient (weight seen as ``[C, K]``, bias as ``[C, 1]``) and its rounding scale
-    (the sum of the absolute terms, one per sample and position). The weight's from ``out``
-    when given, else from ``weight_sides(call, v)``: the tensor holding the weight's first dim
-    ``[B, C, *]`` and the other side convolved with ``v`` as a kernel, ``[B, G*n, *]``."""
-    result = {}
-    for name, (u, v) in probes.items():
-        if name == "weight" and out is not None and "weight" in out:
-            result[name] = weight_probe_from_samples(out, u, v, scale)
-            continue
-        value = rounding = None
-        for call in calls:
-            if name == "weight":
-                terms = weight_probe_terms(*weight_sides(call, v), u, groups)
-            else:
-                terms = bias_probe_terms(call.backprop(), u, v)
-            value, rounding = add_probe_sums(value, rounding, terms)
-        result[name] = (value, rounding)
-    return result
-
-
-def weight_probe_from_samples(out: Mapping[str, Tensor], u: Tensor, v: Tensor, scale: float
-                              ) -> tuple[Tensor, Tensor]:
-    """Projections of ``out["weight"]`` (per-sample gradients written with ``scale``) summed
-    over samples, and their rounding scale, both without the loss scale."""
-    value, rounding = project_samples(out["weight"], (u, v))
-    return value / scale, rounding / scale
-
-
-def probe_kernel(module: nn.Module, v: Tensor) -> Tensor:
-    """``v [n, K]`` as a kernel of ``n`` output channels per group, ``[G*n, *weight[0].shape]``
-    (group major), for the layer's own convolution (``K = prod(weight.shape[1:])``)."""
-    kernel = v.view(v.shape[0], *module.weight.shape[1:])
-    return kernel.repeat(module.groups, *([1] * (kernel.dim() - 1)))
-
-
-def weight_probe_terms(left: Tensor, projected: Tensor, u: Tensor, groups: int) -> Tensor:
-    """``[B, G, n, T]``: ``(left u)`` per group times ``projected`` (``[B, G*n, *]``, the other
-    side already contracted with ``v``); ``left [B, C, *]`` holds the weight's first dim."""
-    batch, channels = left.shape[:2]
-    n = u.shape[0]
-    flat = left.reshape(batch, groups, channels // groups, -1)  # [B, G, C/G, T]
-    per_group = u.view(n, groups, channels // groups).transpose(0, 1)  # [G, n, C/G]
-    return torch.matmul(per_group, flat).mul_(projected.reshape(batch, groups, n, -1))
-
-
-def bias_probe_terms(grad_output: Tensor, u: Tensor, v: Tensor) -> Tensor:
-    """``[B, n, T]``: ``(grad_output u) v`` for a bias ``[C]`` seen as ``[C, 1]``."""
-    batch, channels = grad_output.shape[:2]
-    terms = torch.matmul(u, grad_output.reshape(batch, channels, -1))
-    return terms.mul_(v.view(1, -1, 1))
-
-
-def add_probe_sums(value: Tensor | None, rounding: Tensor | None, terms: Tensor
-                   ) -> tuple[Tensor, Tensor]:
-    """Running ``(sum, sum of absolute values)`` over all dims of ``terms`` but the probe dim
-    (the one before last); ``terms`` is overwritten."""
-    dims = tuple(d for d in range(terms.dim()) if d != terms.dim() - 2)
-    call_value, call_rounding = terms.sum(dims), terms.abs_().sum(dims)  # terms: a temporary
-    if value is None:
-        return call_value, call_rounding
-    return value + call_value, rounding + call_rounding
 
 
 def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,

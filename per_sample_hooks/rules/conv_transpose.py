@@ -24,14 +24,11 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..capture import Call
-from ..unseen import Probe
 from .base import Rule, hess_from_grad1, register_rule
 from .conv import (
     add_spatial_sums,
     check_batched,
     layer_input,
-    probe_convolution,
-    probe_kernel,
     sample_chunks,
     unfold_columns,
 )
@@ -138,18 +135,3 @@ class ConvTransposeRule(Rule):
         """Exact Gauss-Newton blocks from per-pass per-sample gradients (:meth:`grad1`)."""
         return hess_from_grad1(self, module, calls, scale, params)
 
-    def probe(self, module: nn.modules.conv._ConvTransposeNd, calls: Sequence[Call],
-              probes: Mapping[str, Probe], scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        """``u^T (sum_b grad_weight_b) v = sum_{b,t} (x u)(patches v)`` with ``patches v`` the
-        convolution of the cropped output gradient with ``v`` as a kernel (``n`` channels per
-        group); rounding from the terms of each sample and position. The weight's from
-        ``out`` when :meth:`grad1` wrote it (see :meth:`ConvRule.probe`)."""
-        convolve = (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
-
-        def weight_sides(call: Call, v: Tensor) -> tuple[Tensor, Tensor]:
-            x = layer_input(call)
-            padded = crop_pad_grad_output(module, call.backprop(), x.shape[2:])
-            return x, convolve(padded, probe_kernel(module, v), None, module.stride, 0,
-                               module.dilation, module.groups)
-        return probe_convolution(module.groups, calls, probes, scale, out, weight_sides)

@@ -22,7 +22,7 @@ token counts *over the batch*, which mixes samples: refused.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..unseen import Probe
 from .base import KeptGrads, Rule, register_rule
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -78,17 +77,6 @@ def scatter_weighted_sum(out: Tensor, s: Scatter, weights: Tensor) -> None:
     flat.zero_()
     flat.index_add_(0, s.rows, weighted)
 
-
-def scatter_probe(s: Scatter, probe: Probe, dim: int) -> tuple[Tensor, Tensor]:
-    """``u^T G v`` of the batch-summed gradient ``G [V, dim]`` for each probe, and its rounding
-    scale, O(N (w + #probes))."""
-    u, v = probe  # [P, V], [P, dim]
-    if s.values.shape[1] == dim:
-        terms = u[:, s.rows] * (v.to(s.values.dtype) @ s.values.t())
-    else:  # one cell per entry
-        token, column = s.rows // dim, s.rows % dim
-        terms = u[:, token] * v[:, column] * s.values[:, 0]
-    return terms.sum(-1), terms.abs().sum(-1)
 
 
 def token_scatter(tokens: Tensor, grads: Tensor, padding_idx: int | None, num_rows: int
@@ -141,14 +129,6 @@ class ScatterRule(Rule):
                      out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
         if "weight" in out:
             scatter_weighted_sum(out["weight"], self.joined(module, calls), weights)
-
-    def probe(self, module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe],
-              scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        if "weight" not in probes:
-            return {}
-        s = self.joined(module, calls)
-        return {"weight": scatter_probe(s, probes["weight"], module.weight.shape[1])}
 
 
 @register_rule(nn.Embedding)

@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import UnsupportedModuleError
-from ..unseen import Probe, project_samples
 from .base import KeptGrads, Rule, contract_samples
 from .ghost import sum_of_squares
 
@@ -47,10 +46,6 @@ class FormedRule(Rule):
         for name, target in out.items():
             contract_samples(target, self.per_sample[name], weights)
 
-    def probe(self, module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe],
-              scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        return {n: project_samples(self.per_sample[n], probe) for n, probe in probes.items()}
 
     def sum_squared_grads(self, module: nn.Module, calls: Sequence[Call], scale: float,
                           params: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Call
-from ..unseen import Probe
 from .base import KeptGrads, Rule, contract_samples, hess_from_grad1, register_rule, split_passes
 from .ghost import (
     bias_norms_squared,
@@ -90,19 +89,6 @@ def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool
         out.copy_(summed)
 
 
-def linear_probe(grads: Tensor, acts: Tensor | None, probe: Probe) -> tuple[Tensor, Tensor]:
-    """Projections of ``sum_{b,t} grads_bt^T acts_bt`` (``grads [..., p]``, ``acts [..., d]``;
-    ``acts`` None: a bias, ``sum grads_bt`` seen as ``[p, 1]``) on ``probe``, ``u [n, p]``,
-    ``v [n, d or 1]``: ``sum_{b,t} (G u)(A v)``, ``O(B T (p + d))``; and the rounding scale,
-    the sum of the absolute terms."""
-    u, v = probe
-    terms = torch.mm(grads.reshape(-1, grads.shape[-1]), u.t())  # [B*T, n]
-    if acts is None:
-        terms.mul_(v.t())
-    else:
-        terms.mul_(torch.mm(acts.reshape(-1, acts.shape[-1]), v.t()))
-    return terms.sum(0), terms.abs_().sum(0)
-
 
 @register_rule(nn.Linear)
 class LinearRule(Rule):
@@ -159,19 +145,6 @@ class LinearRule(Rule):
             if bias is not None:
                 weighted_bias_sum(bias, grads, weights, accumulate=i > 0)
 
-    def probe(self, module: nn.Linear, calls: Sequence[Call], probes: Mapping[str, Probe],
-              scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        """``u^T (sum_b G_b^T A_b) v = sum_{b,t} (G u)(A v)``: ``O(B T (p + d))``."""
-        result: dict[str, tuple[Tensor, Tensor]] = {}
-        for call in calls:
-            for name, probe in probes.items():
-                acts = call.activation() if name == "weight" else None
-                value, rounding = linear_probe(call.backprop(), acts, probe)
-                if name in result:
-                    value, rounding = value + result[name][0], rounding + result[name][1]
-                result[name] = (value, rounding)
-        return result
 
     # ---------------------------------------------------------------- curvature
 

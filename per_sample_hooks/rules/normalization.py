@@ -17,7 +17,7 @@ and :class:`BatchNormRule` refuses it (even without affine parameters).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,6 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..unseen import Probe, matrix_shape, project
 from .base import KeptGrads, Rule, contract_samples, register_rule
 from .ghost import sum_of_squares
 
@@ -100,58 +99,6 @@ class AffineNormRule(Rule):
         per-sample gradients."""
         for name, value in self.per_sample(module, calls, list(out)).items():
             contract_samples(out[name], value, weights)
-
-    def probe(self, module: nn.Module, calls: Sequence[Call], probes: Mapping[str, Probe],
-              scale: float, out: Mapping[str, Tensor] | None = None
-              ) -> dict[str, tuple[Tensor, Tensor]]:
-        """Projections of the batch-summed gradients (no re-run of the module, no per-sample
-        tensor); the rounding scale from the magnitude of the terms (see :meth:`batch_sums`),
-        both from one normalization per call."""
-        sums = self.batch_sums(module, calls, list(probes))
-        result = {}
-        for n, (u, v) in probes.items():
-            value, size = (t.reshape(matrix_shape(t.shape)) for t in sums[n])
-            result[n] = (project(value, (u, v)), project(size, (u.abs(), v.abs())))
-        return result
-
-    def feature_rows(self, t: Tensor, features: int) -> Tensor:
-        """``t`` (batch first, the input's layout) as ``[N, features]``: one row per sample and
-        position (a view where the layout allows)."""
-        if self.channels_first:
-            return t.transpose(0, 1).reshape(t.shape[1], -1).t()
-        return t.reshape(-1, features)
-
-    def batch_sums(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
-                   ) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{name: (sum over samples of grad1 (unscaled), sum of the magnitudes of its
-        terms)}``, each of the parameter's shape. The magnitudes are the sums of
-        ``|g| (|x_hat| + 1)`` and ``|g|``: ``x_hat`` is O(1) by construction, and where it
-        cancels to about 0 (one value per group, constant features) its rounding is about
-        ``eps`` times 1."""
-        result: dict[str, tuple[Tensor, Tensor]] = {}
-        features = module._parameters[names[0]].numel()
-        for call in calls:
-            rows = self.feature_rows(call.backprop(), features)
-            # in place in the one temporary, x_hat (fresh tensors of this size cost more in
-            # page faults than the arithmetic)
-            if "weight" in names:
-                x_hat = self.normalize(module, call, call.activation())
-                work = self.feature_rows(x_hat, features).mul_(rows)
-                weight_value, weight_size = work.sum(0), work.abs_().sum(0)
-            else:
-                work = torch.empty_like(rows)
-            bias_size = torch.abs(rows, out=work).sum(0)
-            terms = {"bias": (rows.sum(0), bias_size)}
-            if "weight" in names:
-                terms["weight"] = (weight_value, weight_size.add_(bias_size))
-            for name in names:
-                value, size = terms[name]
-                if name in result:
-                    value, size = value + result[name][0], size + result[name][1]
-                result[name] = (value, size)
-        shapes = {n: module._parameters[n].shape for n in names}
-        return {n: (value.reshape(shapes[n]), size.reshape(shapes[n]))
-                for n, (value, size) in result.items()}
 
 
 @register_rule(nn.LayerNorm)

@@ -1,0 +1,110 @@
+"""The unseen-use check's schedule: the first step and every new captured structure, then
+sampled steps within a time budget; "always" and False (see per_sample_hooks.unseen)."""
+import pytest
+import torch
+from torch import nn
+
+import per_sample_hooks as psh
+from per_sample_hooks.unseen import Schedule
+
+
+class SometimesLeaks(nn.Module):
+    """``leak``: the first layer's weight is also used outside its module on that step."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.leak = False
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        out = self.second(h)
+        return out + (h @ self.first.weight)[:, :2] if self.leak else out
+
+
+def step(model, batch, leak, backward="ordinary"):
+    model.leak = leak
+    x = torch.randn(batch, 3, requires_grad=backward == "inputs")
+    loss = model(x).pow(2).sum()
+    if backward == "inputs":  # parameter gradients not computed: nothing to compare
+        torch.autograd.grad(loss, x)
+    else:
+        loss.backward()
+    psh.compute_grad1(model)
+
+
+def test_first_step_and_new_structures_are_checked():
+    torch.manual_seed(0)
+    model = SometimesLeaks()
+    state = psh.add_hooks(model)
+    state.unseen.schedule.budget = 0.0  # no sampled checks
+    step(model, 5, leak=False)
+    step(model, 5, leak=True)  # an already checked structure: documented to pass unseen
+    with pytest.raises(psh.PerSampleHooksError, match=r"'first\.weight'"):
+        step(model, 6, leak=True)  # a new batch size: checked
+    with pytest.raises(psh.PerSampleHooksError, match=r"'first\.weight'"):
+        step(model, 6, leak=True)  # a refused structure is never marked checked
+    step(model, 6, leak=False)
+    step(model, 6, leak=True)
+    psh.remove_hooks(model)
+
+
+def test_always_checks_every_step_and_false_never():
+    torch.manual_seed(0)
+    model = SometimesLeaks()
+    with psh.add_hooks(model, check_unseen="always"):
+        step(model, 5, leak=False)
+        with pytest.raises(psh.PerSampleHooksError, match=r"'first\.weight'"):
+            step(model, 5, leak=True)
+    with psh.add_hooks(model, check_unseen=False) as state:
+        assert state.unseen is None
+        step(model, 5, leak=True)
+    with pytest.raises(ValueError, match="check_unseen must be True.*'always' or False"):
+        psh.add_hooks(model, check_unseen="sometimes")
+
+
+def test_a_step_without_parameter_gradients_leaves_the_check_due():
+    torch.manual_seed(0)
+    model = SometimesLeaks()
+    with psh.add_hooks(model) as state:
+        state.unseen.schedule.budget = 0.0
+        step(model, 5, leak=True, backward="inputs")  # nothing to compare: not checked
+        with pytest.raises(psh.PerSampleHooksError, match=r"'first\.weight'"):
+            step(model, 5, leak=True)
+
+
+def test_sampled_checks_cost_the_budget():
+    """Once a structure is checked, each step is checked with probability
+    budget * step time / check time: the expected cost is the budget of the training time."""
+    schedule = Schedule("sampled", seed=1)
+    schedule.checked_one("structure", 0.5)
+    schedule.step_seconds = 1.0
+    draws = 20000
+    checked = sum(schedule.due("structure") for _ in range(draws))
+    expected = draws * schedule.budget * 1.0 / 0.5  # 4% of steps, each half a step long
+    assert abs(checked - expected) < 5 * expected ** 0.5
+    assert checked * 0.5 / draws <= 1.1 * schedule.budget  # cost per unit of training time
+    assert schedule.due("another structure")
+    schedule.budget = 1e9  # a check cheaper than its share: every step
+    assert all(schedule.due("structure") for _ in range(100))
+    always = Schedule("always")
+    always.checked_one("structure", 10.0)
+    always.step_seconds = 1.0
+    assert all(always.due("structure") for _ in range(100))
+
+
+def test_sampled_checks_run_in_a_training_loop():
+    """With a budget that covers the check, checked steps happen after the first; the check
+    measures its own cost and the step time."""
+    torch.manual_seed(0)
+    model = SometimesLeaks()
+    with psh.add_hooks(model) as state:
+        state.unseen.schedule.budget = 1e9
+        checked = []
+        for _ in range(5):
+            model(torch.randn(5, 3)).pow(2).sum().backward()
+            checked.append(state.unseen.due())
+            psh.compute_grad1(model)
+        assert all(checked)
+        assert state.unseen.schedule.check_seconds > 0
+        assert state.unseen.schedule.step_seconds > 0
