@@ -90,7 +90,7 @@ class Schedule:
         self.random = random.Random(seed)
         self.step_seconds: float | None = None
         self.check_seconds: float | None = None
-        self._last_start = time.perf_counter()  # add_hooks: the first step starts
+        self._last_start = time.perf_counter()  # add_hooks
 
     def due(self, structure: Hashable) -> bool:
         if self.mode == "always" or structure not in self.checked:
@@ -148,11 +148,12 @@ class UnseenUseCheck:
         self.decision = None
         self.totals.clear()
         self.pass_scales.clear()
-        self.schedule.step_started()
 
     def due(self) -> bool:
-        """Whether this step is checked (asked after the forward: the structure is known)."""
+        """Whether this step is checked (asked after the forward: the structure is known;
+        the first ask of a step also times the step, outside any compiled forward)."""
         if self.decision is None:
+            self.schedule.step_started()
             self.decision = self.schedule.due(captured_structure(self._state))
         return self.decision
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, loop_grads, weighted_square
-from per_sample_hooks.rules import default_registry, embedding, fallback
+from per_sample_hooks.rules import default_registry, fallback
 
 LOSS_TYPES = st.sampled_from(["mean", "sum"])
 
@@ -235,27 +235,6 @@ def test_norms_and_clipping_frozen_embedding():
     assert_norms_match(model, x)
     assert_clipping_matches(model, x, 0.1)
 
-
-def test_scatter_functions_against_dense():
-    """The Scatter helpers against a dense [B, R, w] tensor, both layouts."""
-    g = torch.Generator().manual_seed(0)
-    for width, rows in ((3, 5), (1, 15)):
-        n, batch = 9, 3
-        s = embedding.Scatter(torch.randint(batch, (n,), generator=g),
-                              torch.randint(rows, (n,), generator=g),
-                              torch.randn(n, width, generator=g, dtype=torch.double), rows)
-        dense = torch.zeros(batch, rows, width, dtype=torch.double)
-        dense.index_put_((s.samples, s.rows), s.values, accumulate=True)
-        out = torch.full((batch, 5, 3), float("nan"), dtype=torch.double)
-        embedding.write_per_sample(out, s, 2.0)
-        torch.testing.assert_close(out.view(batch, rows, width), 2 * dense)
-        torch.testing.assert_close(embedding.scatter_norms_squared(s, batch),
-                                   dense.flatten(1).pow(2).sum(1))
-        weights = torch.rand(batch, generator=g, dtype=torch.double)
-        total = torch.full((5, 3), float("nan"), dtype=torch.double)
-        embedding.scatter_weighted_sum(total, s, weights)
-        torch.testing.assert_close(total.view(rows, width), torch.einsum("b,brw->rw", weights,
-                                                                         dense))
 
 
 def test_sparse_use_outside_the_module_is_reported():

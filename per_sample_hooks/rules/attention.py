@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import KeptGrads, Rule, contract_samples, register_rule
+from .forms import add_outer_products, add_position_sums
 from .ghost import weighted_bias_sum, weighted_weight_sum
-from .linear import add_outer_products, add_position_sums
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")

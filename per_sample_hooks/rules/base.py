@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TypeVar
 
-import torch
 from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError, UnsupportedModuleError
+from . import forms
+from .forms import Dense, Form, contract_samples
+from .ghost import sum_of_squares
 
 
 class KeptGrads:
@@ -63,8 +65,10 @@ class KeptGrads:
 class Rule:
     """Per-sample math for one layer family.
 
-    Subclasses implement :meth:`grad1`; quantities with a cheaper exact path override the
-    defaults that derive them from :meth:`grad1`.
+    A rule describes each parameter's per-sample gradient as forms (:meth:`forms`; see
+    :mod:`.forms`), from which every quantity is computed; or, for a layer with no such
+    structure, writes the per-sample gradients (:meth:`grad1`), which are then its dense form.
+    A rule may override a quantity it computes better than its forms do.
     """
 
     #: Also hook modules of this family that have no trainable parameter (for checks such as
@@ -78,14 +82,30 @@ class Rule:
     #: ``unit_parameters(module)`` and its outputs are isolated copies.
     covers_children: bool = False
 
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        """``{name: forms}`` for each parameter in ``names``: its per-sample gradient, as
+        captured (no loss scale), is the sum of the forms (one or more per call).
+
+        Default, for a rule that defines :meth:`grad1` only: its per-sample gradients, dense."""
+        if type(self).grad1 is Rule.grad1:
+            raise NotImplementedError(f"{type(self).__name__} defines neither forms nor grad1")
+        batch = self.batch_size(module, calls[0])
+        out = {n: module.get_parameter(n).new_empty((batch, *module.get_parameter(n).shape))
+               for n in names}
+        self.grad1(module, calls, 1.0, out)
+        return {n: [Dense(t)] for n, t in out.items()}
+
     def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
         """Write per-sample gradients into ``out[name]`` (shape ``[B, *param.shape]``).
 
         ``out`` holds a buffer for each trainable direct parameter the caller wants; its contents
         are undefined on entry and must be fully overwritten. ``scale`` multiplies every result.
+        Default: from :meth:`forms`.
         """
-        raise NotImplementedError
+        for name, parts in self.forms(module, calls, list(out)).items():
+            forms.write(out[name], parts, scale)
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         """The batch size of one call; override for inputs ``Call.batch_size`` cannot read
@@ -98,19 +118,27 @@ class Rule:
         """``{name: [B]}``: squared L2 norm of each sample's gradient of each parameter in
         ``names``, i.e. of exactly what :meth:`grad1` writes (``scale`` included, so squared).
 
-        Default: materialize one parameter at a time (into ``keep``'s buffer when granted,
-        else a temporary that is freed), reduce.
-        """
+        From the forms (:func:`.forms.norms_squared`); where that materializes per-sample
+        gradients anyway, into ``keep``'s buffer when granted (for :meth:`weighted_sum`)."""
         result = {}
         batch = self.batch_size(module, calls[0])
-        for name in names:
-            param = module.get_parameter(name)
-            kept = keep.reserve(module, name, batch) if keep is not None else None
-            per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
-            self.grad1(module, calls, 1.0, {name: per_sample})
-            result[name] = torch.linalg.vector_norm(per_sample.reshape(batch, -1),
-                                                    dim=1).square_().mul_(scale * scale)
-            del per_sample
+        if type(self).forms is Rule.forms:  # only grad1: materialize, into keep when granted
+            for name in names:
+                param = module.get_parameter(name)
+                kept = keep.reserve(module, name, batch) if keep is not None else None
+                per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
+                self.grad1(module, calls, 1.0, {name: per_sample})
+                result[name] = sum_of_squares(per_sample).mul_(scale * scale)
+            return result
+        for name, parts in self.forms(module, calls, names).items():
+            kept = keep.reserve(module, name, batch) \
+                if keep is not None and forms.materializes(parts) else None
+            if kept is not None:
+                forms.write(kept, parts, 1.0)
+                squared = sum_of_squares(kept)
+            else:
+                squared = forms.norms_squared(parts, batch)
+            result[name] = squared.mul_(scale * scale)
         return result
 
     def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
@@ -122,17 +150,19 @@ class Rule:
         scale into ``weights`` (clipping a mean loss passes the clipping coefficients as they
         are and gets ``(1/B) sum_b c_b g_b``). ``out`` is fully overwritten.
 
-        Default: contract the gradients kept by :meth:`norms_squared` in ``keep``, or
-        materialize one parameter at a time into a temporary, contract, free it.
+        A contraction of the gradients kept by :meth:`norms_squared` in ``keep``, else one
+        product per form (:func:`.forms.weighted_sum`).
         """
+        rest = []
         for name, target in out.items():
-            per_sample = keep.get(module, name) if keep is not None else None
-            if per_sample is None:
-                param = module.get_parameter(name)
-                per_sample = param.new_empty((len(weights), *param.shape))
-                self.grad1(module, calls, 1.0, {name: per_sample})
-            contract_samples(target, per_sample, weights)
-            del per_sample
+            kept = keep.get(module, name) if keep is not None else None
+            if kept is None:
+                rest.append(name)
+            else:
+                contract_samples(target, kept, weights)
+        if rest:
+            for name, parts in self.forms(module, calls, rest).items():
+                forms.weighted_sum(out[name], parts, weights)
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
@@ -209,8 +239,8 @@ def split_passes(calls: Sequence[Call]) -> list[list[Call]]:
             ": some pass did not reach every call, so passes cannot be paired. Run "
             "backprop_hess (or one backward) on a fresh forward")
     n = counts.pop() if counts else 0
-    if n <= 1:
-        return [list(calls)] if n else []
+    if n <= 1:  # one pass (or per-sample gradients formed on arrival, their records dropped)
+        return [list(calls)] if calls else []
     return [[single_pass(c, k) for c in calls] for k in range(n)]
 
 
@@ -247,14 +277,6 @@ def hess_from_grad1(rule: Rule, module: nn.Module, calls: Sequence[Call], scale:
         result[name] = block
     return result
 
-
-def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:
-    """``out = sum_b weights[b] * per_sample[b]`` (``per_sample [B, *out.shape]``), one ``mv``."""
-    flat = per_sample.reshape(len(weights), -1)
-    if out.is_contiguous():
-        torch.mv(flat.t(), weights.to(flat.dtype), out=out.view(-1))
-    else:
-        out.copy_((weights.to(flat.dtype) @ flat).view(out.shape))
 
 R = TypeVar("R", bound=Rule)
 

@@ -40,6 +40,7 @@ from .base import (
     register_rule,
     split_passes,
 )
+from .forms import add_outer_products, add_position_sums
 from .ghost import (
     bias_norms_squared,
     choose_method,
@@ -50,7 +51,6 @@ from .ghost import (
     weighted_bias_sum,
 )
 from .kronecker import Approx, input_factor, output_factor
-from .linear import add_outer_products, add_position_sums
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""

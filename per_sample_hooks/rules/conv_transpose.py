@@ -32,7 +32,7 @@ from .conv import (
     sample_chunks,
     unfold_columns,
 )
-from .linear import add_outer_products
+from .forms import add_outer_products
 
 
 def crop_pad_grad_output(module: nn.modules.conv._ConvTransposeNd, grad_output: Tensor,

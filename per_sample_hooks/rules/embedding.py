@@ -1,8 +1,9 @@
 """nn.Embedding and nn.EmbeddingBag: per-sample gradients of a ``[V, d]`` table as scattered rows.
 
-A sample's table gradient is non-zero only at the rows its tokens hit. Both layers reduce to a
-:class:`Scatter`: entries ``(sample, row, value)`` on the table seen as ``[R, w]`` (``R w = V d``),
-sample ``b``'s gradient being the sum of its entries' values placed at their rows:
+A sample's table gradient is non-zero only at the rows its tokens hit. Both layers give the
+:class:`~.forms.Rows` form: entries ``(sample, row, value)`` on the table seen as ``[R, w]``
+(``R w = V d``), sample ``b``'s gradient being the sum of its entries' values placed at their
+rows:
 
 - Embedding: one entry per non-padding token, ``[V, d]``, value the output gradient there;
 - EmbeddingBag ``sum``/``mean``: one entry per non-padding token, value the bag's output
@@ -10,10 +11,10 @@ sample ``b``'s gradient being the sum of its entries' values placed at their row
 - EmbeddingBag ``max``: one entry per (bag, dim ``j``) at the cell of the token that won the
   max there, ``[V d, 1]``; the winners are recomputed by the same ``torch.embedding_bag``.
 
-Then, with ``N`` entries and no ``[B, V, d]`` tensor except for ``grad1`` itself:
-per-sample gradients are one ``index_add`` into the zeroed buffer; squared norms sum the values
-of equal (sample, row) keys (``unique`` + ``index_add``, O(N w)) and reduce per sample; the
-weighted sum is one ``index_add`` of the weighted values into ``[R, w]``.
+Then, with ``N`` entries and no ``[B, V, d]`` tensor except for ``grad1`` itself, the form's
+quantities (:mod:`.forms`): per-sample gradients are one ``index_add`` into the zeroed buffer;
+squared norms sum the values of equal (sample, row) keys (``unique`` + ``index_add``, O(N w))
+and reduce per sample; the weighted sum is one ``index_add`` of the weighted values.
 
 ``max_norm`` renormalizes the hit rows in place under ``no_grad`` during the forward: the
 gradient of a lookup does not depend on the table's values, and the per-sample loop sees the
@@ -23,64 +24,20 @@ token counts *over the batch*, which mixes samples: refused.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import KeptGrads, Rule, register_rule
+from .base import Rule, register_rule
+from .forms import Form, Rows
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
 
-@dataclass
-class Scatter:
-    """Entries of per-sample table gradients on the table viewed as ``[num_rows, w]``."""
-    samples: Tensor  # [N] long: the sample of each entry
-    rows: Tensor  # [N] long: its row in the [num_rows, w] view
-    values: Tensor  # [N, w]
-    num_rows: int
-
-
-def join(parts: Sequence[Scatter]) -> Scatter:
-    """The entries of several calls together (their contributions add up)."""
-    if len(parts) == 1:
-        return parts[0]
-    return Scatter(torch.cat([p.samples for p in parts]), torch.cat([p.rows for p in parts]),
-                   torch.cat([p.values for p in parts]), parts[0].num_rows)
-
-
-def write_per_sample(out: Tensor, s: Scatter, scale: float) -> None:
-    """``out [B, V, d]`` = ``scale`` times the per-sample gradients (fully overwritten)."""
-    batch = out.shape[0]
-    flat = out.view(batch * s.num_rows, -1)
-    flat.zero_()
-    flat.index_add_(0, s.samples * s.num_rows + s.rows, s.values, alpha=scale)
-
-
-def scatter_norms_squared(s: Scatter, batch: int) -> Tensor:
-    """``[B]``: squared norm of each sample's gradient; values of equal (sample, row) keys are
-    summed first (``[#distinct keys, w]``)."""
-    keys = s.samples * s.num_rows + s.rows
-    distinct, pair = torch.unique(keys, return_inverse=True)
-    rows = s.values.new_zeros(len(distinct), s.values.shape[1]).index_add_(0, pair, s.values)
-    squared = torch.linalg.vector_norm(rows, dim=1).square_()
-    return s.values.new_zeros(batch).index_add_(0, distinct // s.num_rows, squared)
-
-
-def scatter_weighted_sum(out: Tensor, s: Scatter, weights: Tensor) -> None:
-    """``out [V, d] = sum_b weights[b] * (sample b's gradient)``: one ``index_add``."""
-    weighted = s.values * weights.to(s.values.dtype)[s.samples].unsqueeze(1)
-    flat = out.view(s.num_rows, -1)
-    flat.zero_()
-    flat.index_add_(0, s.rows, weighted)
-
-
-
-def token_scatter(tokens: Tensor, grads: Tensor, padding_idx: int | None, num_rows: int
-                  ) -> Scatter:
+def token_rows(tokens: Tensor, grads: Tensor, padding_idx: int | None, num_rows: int
+                  ) -> Rows:
     """Entries of one Embedding call: ``tokens [B, *]``, output gradients ``[B, *, d]``."""
     batch = tokens.shape[0]
     flat_tokens = tokens.reshape(-1)
@@ -90,7 +47,7 @@ def token_scatter(tokens: Tensor, grads: Tensor, padding_idx: int | None, num_ro
     if padding_idx is not None:
         hit = flat_tokens != padding_idx
         samples, flat_tokens, values = samples[hit], flat_tokens[hit], values[hit]
-    return Scatter(samples, flat_tokens, values, num_rows)
+    return Rows(samples, flat_tokens, values, num_rows)
 
 
 def refuse_frequency_scaling(module: nn.Module, name: str) -> None:
@@ -101,42 +58,24 @@ def refuse_frequency_scaling(module: nn.Module, name: str) -> None:
             "gradients are undefined. Use scale_grad_by_freq=False")
 
 
-class ScatterRule(Rule):
-    """Shared rule for layers whose weight gradient is a :class:`Scatter` (parameter
-    ``weight`` only)."""
+class RowsRule(Rule):
+    """Shared rule for layers whose weight gradient is :class:`~.forms.Rows` (parameter
+    ``weight`` only): one form per call."""
 
-    def scatter(self, module: nn.Module, call: Call) -> Scatter:
+    def rows(self, module: nn.Module, call: Call) -> Rows:
         raise NotImplementedError
 
-    def joined(self, module: nn.Module, calls: Sequence[Call]) -> Scatter:
-        return join([self.scatter(module, call) for call in calls])
-
-    def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
-              out: dict[str, Tensor]) -> None:
-        if "weight" in out:
-            write_per_sample(out["weight"], self.joined(module, calls), scale)
-
-    def norms_squared(self, module: nn.Module, calls: Sequence[Call], scale: float,
-                      names: Sequence[str], keep: KeptGrads | None = None
-                      ) -> dict[str, Tensor]:
-        if "weight" not in names:
-            return {}
-        batch = self.batch_size(module, calls[0])
-        squared = scatter_norms_squared(self.joined(module, calls), batch)
-        return {"weight": squared.mul_(scale * scale)}
-
-    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
-                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
-        if "weight" in out:
-            scatter_weighted_sum(out["weight"], self.joined(module, calls), weights)
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        return {name: [self.rows(module, call) for call in calls] for name in names}
 
 
 @register_rule(nn.Embedding)
-class EmbeddingRule(ScatterRule):
+class EmbeddingRule(RowsRule):
     """Embedding on indices ``[B, *]``; the padding row gets no gradient."""
 
-    def scatter(self, module: nn.Embedding, call: Call) -> Scatter:
-        return token_scatter(call.activation(), call.backprop(), module.padding_idx,
+    def rows(self, module: nn.Embedding, call: Call) -> Rows:
+        return token_rows(call.activation(), call.backprop(), module.padding_idx,
                              module.num_embeddings)
 
     def check(self, module: nn.Embedding, calls: Sequence[Call], name: str) -> None:
@@ -176,7 +115,7 @@ def flat_bags(indices: Tensor, offsets: Tensor | None, weights: Tensor | None,
 
 
 @register_rule(nn.EmbeddingBag)
-class EmbeddingBagRule(ScatterRule):
+class EmbeddingBagRule(RowsRule):
     """EmbeddingBag, each bag a sample: 2-D input ``[B, L]``, or 1-D input with ``offsets``
     (``B`` bags); modes sum (with ``per_sample_weights``), mean, max; ``padding_idx``."""
 
@@ -186,14 +125,14 @@ class EmbeddingBagRule(ScatterRule):
             return indices.shape[0]
         return len(offsets) - int(module.include_last_offset)
 
-    def scatter(self, module: nn.EmbeddingBag, call: Call) -> Scatter:
+    def rows(self, module: nn.EmbeddingBag, call: Call) -> Rows:
         indices, offsets, weights = bag_arguments(call)
         grads = call.backprop()  # [B, d]
         tokens, offsets, weights, bags, batch = flat_bags(indices, offsets, weights,
                                                           module.include_last_offset)
         padding = -1 if module.padding_idx is None else module.padding_idx
         if module.mode == "max":
-            return self.max_scatter(module, tokens, offsets, grads, padding)
+            return self.max_rows(module, tokens, offsets, grads, padding)
         hit = (bags >= 0) & (tokens != padding)
         tokens, bags = tokens[hit], bags[hit]
         values = grads[bags]
@@ -202,10 +141,10 @@ class EmbeddingBagRule(ScatterRule):
             values = values / counts[bags].unsqueeze(1)
         elif weights is not None:
             values = values * weights[hit].to(values.dtype).unsqueeze(1)
-        return Scatter(bags, tokens, values, module.num_embeddings)
+        return Rows(bags, tokens, values, module.num_embeddings)
 
-    def max_scatter(self, module: nn.EmbeddingBag, tokens: Tensor, offsets: Tensor,
-                    grads: Tensor, padding: int) -> Scatter:
+    def max_rows(self, module: nn.EmbeddingBag, tokens: Tensor, offsets: Tensor,
+                    grads: Tensor, padding: int) -> Rows:
         """One entry per (bag, dim) at the winning token's cell, ``[V d, 1]``; empty bags
         (or bags of padding only) have none."""
         _, _, bag_size, winners = torch.embedding_bag(
@@ -215,7 +154,7 @@ class EmbeddingBagRule(ScatterRule):
         filled = (bag_size[:batch] > 0).unsqueeze(1) & (winners != padding)
         samples = torch.arange(batch, device=grads.device).unsqueeze(1).expand(batch, dim)
         cells = winners * dim + torch.arange(dim, device=grads.device)
-        return Scatter(samples[filled], cells[filled], grads[filled].unsqueeze(1),
+        return Rows(samples[filled], cells[filled], grads[filled].unsqueeze(1),
                        module.num_embeddings * dim)
 
     def check(self, module: nn.EmbeddingBag, calls: Sequence[Call], name: str) -> None:

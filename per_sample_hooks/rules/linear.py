@@ -11,15 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Call
-from .base import KeptGrads, Rule, contract_samples, hess_from_grad1, register_rule, split_passes
-from .ghost import (
-    bias_norms_squared,
-    concat_positions,
-    sum_of_squares,
-    weight_norms_squared,
-    weighted_bias_sum,
-    weighted_weight_sum,
-)
+from .base import Rule, hess_from_grad1, register_rule, split_passes
+from .forms import Form, Outer
 from .kronecker import Approx, input_factor, output_factor
 
 
@@ -30,121 +23,20 @@ def flatten_positions(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, accumulate: bool
-                       ) -> None:
-    """``out[b] (+)= scale * grads[b]^T @ acts[b]`` for ``grads [B,T,p]``, ``acts [B,T,d]``.
-
-    Written straight into ``out`` (``[B, p, d]``); nothing is zero-filled or copied. With one
-    position a broadcast product beats ``bmm`` (whose inner dim would be 1) several times over;
-    the scale goes on the smaller operand.
-    """
-    if grads.shape[1] != 1:
-        torch.baddbmm(out, grads.transpose(1, 2), acts, beta=1 if accumulate else 0, alpha=scale,
-                      out=out)
-        return
-    column, row = grads.transpose(1, 2), acts  # [B, p, 1], [B, 1, d]
-    if accumulate:
-        out.addcmul_(column, row, value=scale)
-    else:
-        write_outer_products(out, column, row, scale)
-
-
-def write_outer_products(out: Tensor, column: Tensor, row: Tensor, scale: float) -> None:
-    """``out = scale * column * row`` for ``column [B, p, 1]``, ``row [B, 1, d]``; the scale
-    goes on the smaller operand."""
-    if scale != 1:
-        if column.shape[1] <= row.shape[2]:
-            column = column * scale
-        else:
-            row = row * scale
-    torch.mul(column, row, out=out)
-
-
-def write_one_position(weight: Tensor | None, bias: Tensor | None, grads: Tensor, acts: Tensor,
-                       scale: float) -> None:
-    """Per-sample gradients of one call on a ``[B, d]`` input (``grads [B, p]``), written into
-    ``weight [B, p, d]`` and ``bias [B, p]`` (either may be None) with the fewest ops."""
-    if weight is not None:
-        write_outer_products(weight, grads.unsqueeze(2), acts.unsqueeze(1), scale)
-    if bias is not None:
-        if scale != 1:
-            torch.mul(grads, scale, out=bias)
-        else:
-            bias.copy_(grads)
-
-
-def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
-    """``out[b] (+)= scale * grads[b].sum(positions)`` for ``grads [B, T, p]``."""
-    if grads.shape[1] == 1:
-        summed = grads.squeeze(1)
-    elif accumulate:
-        summed = grads.sum(1)
-    else:
-        summed = torch.sum(grads, 1, out=out)
-    if accumulate:
-        out.add_(summed, alpha=scale)
-    elif scale != 1:
-        torch.mul(summed, scale, out=out)
-    elif summed is not out:
-        out.copy_(summed)
-
-
-
 @register_rule(nn.Linear)
 class LinearRule(Rule):
-    def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
-              out: dict[str, Tensor]) -> None:
-        weight, bias = out.get("weight"), out.get("bias")
-        if len(calls) == 1 and calls[0].backprop().dim() == 2:  # the common case, fewest ops
-            write_one_position(weight, bias, calls[0].backprop(), calls[0].activation(), scale)
-            return
-        for i, call in enumerate(calls):
-            grads = flatten_positions(call.backprop())
-            if weight is not None:
-                acts = flatten_positions(call.activation())
-                add_outer_products(weight, grads, acts, scale, i > 0)
-            if bias is not None:
-                add_position_sums(bias, grads, scale, i > 0)
-
-    def norms_squared(self, module: nn.Linear, calls: Sequence[Call], scale: float,
-                      names: Sequence[str], keep: KeptGrads | None = None
-                      ) -> dict[str, Tensor]:
-        """Exact squared norms of the summed contribution of all calls (see ``ghost``); with
-        several positions, the weight's per-sample gradients go into ``keep`` when granted."""
-        grads = concat_positions([flatten_positions(c.backprop()).unsqueeze(1) for c in calls])
-        result = {}
-        if "weight" in names:
-            batch, _, positions, _ = grads.shape
-            kept = keep.reserve(module, "weight", batch) if keep and positions > 1 else None
-            if kept is not None:
-                self.grad1(module, calls, 1.0, {"weight": kept})
-                squared = sum_of_squares(kept)
-            else:
-                acts = concat_positions(
-                    [flatten_positions(c.activation()).unsqueeze(1) for c in calls])
-                squared = weight_norms_squared(acts, grads)
-            result["weight"] = squared.mul_(scale * scale)
-        if "bias" in names:
-            result["bias"] = bias_norms_squared(grads).mul_(scale * scale)
-        return result
-
-    def weighted_sum(self, module: nn.Linear, calls: Sequence[Call], weights: Tensor,
-                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
-        """``sum_b weights[b] grad1_b`` (captured scale): from the kept per-sample gradients,
-        else one matmul per call with the weights folded in."""
-        weight, bias = out.get("weight"), out.get("bias")
-        kept = keep.get(module, "weight") if keep is not None else None
-        if weight is not None and kept is not None:
-            contract_samples(weight, kept, weights)
-            weight = None
-        for i, call in enumerate(calls):
+    def forms(self, module: nn.Linear, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        """Per call: the weight ``Outer(G, A)``, the bias ``Outer(G)``; positions are the
+        leading dims (``[B, T, f]``, one group)."""
+        result: dict[str, list[Form]] = {name: [] for name in names}
+        for call in calls:
             grads = flatten_positions(call.backprop()).unsqueeze(1)
-            if weight is not None:
-                acts = flatten_positions(call.activation()).unsqueeze(1)
-                weighted_weight_sum(weight, acts, grads, weights, accumulate=i > 0)
-            if bias is not None:
-                weighted_bias_sum(bias, grads, weights, accumulate=i > 0)
-
+            for name, parts in result.items():
+                acts = flatten_positions(call.activation()).unsqueeze(1) \
+                    if name == "weight" else None
+                parts.append(Outer(grads, acts))
+        return result
 
     # ---------------------------------------------------------------- curvature
 

@@ -8,8 +8,8 @@ statistics), so the per-sample gradients are, with ``g`` the output gradient of 
 
 ``x_hat`` is recomputed from the captured input with the module's own statistics and
 functional op (the same numbers as the forward). The affine parameters are small (``[C]`` or
-``normalized_shape``): per-sample gradients ``[B, F]`` cost less than ``x_hat`` itself, so norms
-and weighted sums reduce them directly.
+``normalized_shape``): per-sample gradients ``[B, F]`` cost less than ``x_hat`` itself, so they
+are the rule's form (dense), from which norms and weighted sums follow.
 
 BatchNorm with batch statistics (training mode, or ``track_running_stats=False``) mixes the
 samples of the batch: per-sample gradients are undefined for it and for every layer below it,
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -27,8 +26,8 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import KeptGrads, Rule, contract_samples, register_rule
-from .ghost import sum_of_squares
+from .base import Rule, register_rule
+from .forms import Dense, Form
 
 
 def sums_channels_first(x_hat: Tensor | None, grads: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -81,24 +80,10 @@ class AffineNormRule(Rule):
         batch = grads.shape[0]
         return {n: v.reshape(batch, *module._parameters[n].shape) for n, v in result.items()}
 
-    def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
-              out: dict[str, Tensor]) -> None:
-        for name, value in self.per_sample(module, calls, list(out)).items():
-            torch.mul(value, scale, out=out[name])
-
-    def norms_squared(self, module: nn.Module, calls: Sequence[Call], scale: float,
-                      names: Sequence[str], keep: KeptGrads | None = None
-                      ) -> dict[str, Tensor]:
-        """One pass for weight and bias; the ``[B, F]`` per-sample gradients are reduced."""
-        return {n: sum_of_squares(v).mul_(scale * scale)
-                for n, v in self.per_sample(module, calls, names).items()}
-
-    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
-                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
-        """``sum_b weights[b] grad1_b``: one ``mv`` of the weights with the ``[B, F]``
-        per-sample gradients."""
-        for name, value in self.per_sample(module, calls, list(out)).items():
-            contract_samples(out[name], value, weights)
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        """Dense: the ``[B, F]`` per-sample gradients cost less than ``x_hat`` itself."""
+        return {n: [Dense(v)] for n, v in self.per_sample(module, calls, names).items()}
 
 
 @register_rule(nn.LayerNorm)

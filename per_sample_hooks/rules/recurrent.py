@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .linear import add_outer_products, add_position_sums
+from .forms import add_outer_products, add_position_sums
 
 
 @dataclass

@@ -1,0 +1,243 @@
+"""Forms: how a layer's per-sample gradient is built, and each quantity computed once per form.
+
+A rule describes the per-sample gradient of each of its parameters (as captured, without the
+loss scale) as a list of forms, one or more per call, whose sum it is:
+
+- :class:`Outer`: sums over positions of outer products of output gradients and inputs,
+  ``g_b = {sum_t grads[b, j, t]^T acts[b, j, t]}_j`` over ``Gr`` independent groups (Linear
+  with any leading dims, convolutions after unfold, attention projections); ``acts`` None is
+  a bias, ``{sum_t grads[b, j, t]}_j``;
+- :class:`Rows`: rows scattered from output gradients (Embedding, EmbeddingBag): sample ``b``'s
+  gradient is the sum of its entries' values placed at their rows of the table seen as
+  ``[num_rows, w]``;
+- :class:`Dense`: ``[B, *shape]`` per-sample tensors (normalization layers, gradients formed on
+  arrival, user rules).
+
+Per-sample gradients (:func:`write`), squared norms (:func:`norms_squared`; ghost or
+materialized, chosen there) and weighted sums (:func:`weighted_sum`, DP clipping and the
+unseen-use check's hooked sum) are functions of a parameter's forms. Several forms of one type
+are joined (positions or entries concatenated), so norms of the sum carry the cross terms; a
+mix of types is materialized once.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .ghost import (
+    bias_norms_squared,
+    concat_positions,
+    sum_of_squares,
+    weight_norms_squared,
+    weighted_bias_sum,
+    weighted_weight_sum,
+)
+
+
+@dataclass
+class Outer:
+    """``grads [B, Gr, T, p]``, ``acts [B, Gr, T, d]`` (None: a bias): the gradient is
+    ``[Gr, p, d]`` (``[Gr, p]``) flattened into the parameter's shape."""
+    grads: Tensor
+    acts: Tensor | None = None
+
+    @property
+    def positions(self) -> int:
+        return self.grads.shape[2]
+
+
+@dataclass
+class Rows:
+    """Entries of per-sample table gradients on the table viewed as ``[num_rows, w]``."""
+    samples: Tensor  # [N] long: the sample of each entry
+    rows: Tensor  # [N] long: its row in the [num_rows, w] view
+    values: Tensor  # [N, w]
+    num_rows: int
+
+
+@dataclass
+class Dense:
+    """``per_sample [B, *shape]``."""
+    per_sample: Tensor
+
+
+Form = Outer | Rows | Dense
+
+
+def join(forms: Sequence[Form]) -> Form | None:
+    """One form for the sum of ``forms`` when they are of one kind (None otherwise)."""
+    first = forms[0]
+    if len(forms) == 1:
+        return first
+    if all(isinstance(f, Outer) for f in forms):
+        if len({f.acts is None for f in forms}) == 1 and \
+                len({f.grads.shape[1] for f in forms}) == 1:
+            acts = None if first.acts is None else concat_positions([f.acts for f in forms])
+            return Outer(concat_positions([f.grads for f in forms]), acts)
+    elif all(isinstance(f, Rows) and f.num_rows == first.num_rows for f in forms):
+        return Rows(torch.cat([f.samples for f in forms]), torch.cat([f.rows for f in forms]),
+                    torch.cat([f.values for f in forms]), first.num_rows)
+    elif all(isinstance(f, Dense) for f in forms):
+        return Dense(sum(f.per_sample for f in forms[1:]) + first.per_sample)
+    return None
+
+
+# ----------------------------------------------------------------------- per-sample gradients
+
+def write(out: Tensor, forms: Sequence[Form], scale: float) -> None:
+    """``out [B, *shape]`` = ``scale`` times the per-sample gradients (fully overwritten;
+    nothing zero-filled where a form writes every entry)."""
+    for i, form in enumerate(forms):
+        _write_one(out, form, scale, accumulate=i > 0)
+
+
+def _write_one(out: Tensor, form: Form, scale: float, accumulate: bool) -> None:
+    batch = out.shape[0]
+    if isinstance(form, Dense):
+        if accumulate:
+            out.add_(form.per_sample.reshape(out.shape), alpha=scale)
+        else:
+            torch.mul(form.per_sample.reshape(out.shape), scale, out=out)
+    elif isinstance(form, Rows):
+        flat = out.view(batch * form.num_rows, -1)
+        if not accumulate:
+            flat.zero_()
+        flat.index_add_(0, form.samples * form.num_rows + form.rows, form.values, alpha=scale)
+    elif form.acts is None:
+        groups, p = form.grads.shape[1], form.grads.shape[3]
+        target = out.view(batch * groups, p)
+        grads = form.grads.reshape(batch * groups, form.positions, p)
+        add_position_sums(target, grads, scale, accumulate)
+    else:
+        _, groups, positions, p = form.grads.shape
+        d = form.acts.shape[3]
+        target = out.view(batch * groups, p, d)
+        grads = form.grads.reshape(batch * groups, positions, p)
+        acts = form.acts.reshape(batch * groups, positions, d)
+        add_outer_products(target, grads, acts, scale, accumulate)
+
+
+def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, accumulate: bool
+                       ) -> None:
+    """``out[b] (+)= scale * grads[b]^T @ acts[b]`` for ``grads [B,T,p]``, ``acts [B,T,d]``.
+
+    Written straight into ``out`` (``[B, p, d]``); nothing is zero-filled or copied. With one
+    position a broadcast product beats ``bmm`` (whose inner dim would be 1) several times over;
+    the scale goes on the smaller operand.
+    """
+    if grads.shape[1] != 1:
+        torch.baddbmm(out, grads.transpose(1, 2), acts, beta=1 if accumulate else 0, alpha=scale,
+                      out=out)
+        return
+    column, row = grads.transpose(1, 2), acts  # [B, p, 1], [B, 1, d]
+    if accumulate:
+        out.addcmul_(column, row, value=scale)
+        return
+    if scale != 1:
+        if column.shape[1] <= row.shape[2]:
+            column = column * scale
+        else:
+            row = row * scale
+    torch.mul(column, row, out=out)
+
+
+def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
+    """``out[b] (+)= scale * grads[b].sum(positions)`` for ``grads [B, T, p]``."""
+    if grads.shape[1] == 1:
+        summed = grads.squeeze(1)
+    elif accumulate:
+        summed = grads.sum(1)
+    else:
+        summed = torch.sum(grads, 1, out=out)
+    if accumulate:
+        out.add_(summed, alpha=scale)
+    elif scale != 1:
+        torch.mul(summed, scale, out=out)
+    elif summed is not out:
+        out.copy_(summed)
+
+
+# ----------------------------------------------------------------------------- norms
+
+def materializes(forms: Sequence[Form]) -> bool:
+    """Whether :func:`norms_squared` of ``forms`` is best had from materialized per-sample
+    gradients (which a caller may then keep for a weighted sum): an :class:`Outer` weight over
+    several positions (the ghost norm is not always cheaper), a mix of kinds."""
+    form = join(forms)
+    return form is None or (isinstance(form, Outer) and form.acts is not None
+                            and form.positions > 1)
+
+
+def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
+    """``[B]``: squared norm of each sample's gradient (the sum of ``forms``, unscaled).
+
+    One position: ``|a|^2 |g|^2``; several: the ghost norm or a chunked materialization, by
+    cost (:mod:`.ghost`); rows: the values of equal (sample, row) keys summed first; a mix of
+    kinds: materialized once."""
+    form = join(forms)
+    if form is None:
+        first = forms[0]
+        like = first.per_sample if isinstance(first, Dense) else \
+            first.values if isinstance(first, Rows) else first.grads
+        per_sample = like.new_empty(flat_shape(forms, batch))
+        write(per_sample, forms, 1.0)
+        return sum_of_squares(per_sample)
+    if isinstance(form, Dense):
+        return sum_of_squares(form.per_sample)
+    if isinstance(form, Rows):
+        keys = form.samples * form.num_rows + form.rows
+        distinct, pair = torch.unique(keys, return_inverse=True)
+        rows = form.values.new_zeros(len(distinct), form.values.shape[1])
+        rows.index_add_(0, pair, form.values)
+        squared = torch.linalg.vector_norm(rows, dim=1).square_()
+        return form.values.new_zeros(batch).index_add_(0, distinct // form.num_rows, squared)
+    if form.acts is None:
+        return bias_norms_squared(form.grads)
+    return weight_norms_squared(form.acts, form.grads)
+
+
+def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:
+    """``(B, n)``: a flat per-sample shape that holds ``forms``' gradients."""
+    form = forms[0]
+    if isinstance(form, Dense):
+        return (batch, form.per_sample[0].numel())
+    if isinstance(form, Rows):
+        return (batch, form.num_rows * form.values.shape[1])
+    _, groups, _, p = form.grads.shape
+    return (batch, groups * p * (1 if form.acts is None else form.acts.shape[3]))
+
+
+# ----------------------------------------------------------------------------- weighted sums
+
+def weighted_sum(out: Tensor, forms: Sequence[Form], weights: Tensor) -> None:
+    """``out [*shape] = sum_b weights[b] * g_b`` (fully overwritten): one product per form,
+    the weights folded into the smaller operand (book-keeping, Bu et al. 2023)."""
+    for i, form in enumerate(forms):
+        accumulate = i > 0
+        if isinstance(form, Dense):
+            flat = form.per_sample.reshape(len(weights), -1)
+            target = out.view(-1)
+            torch.addmv(target, flat.t(), weights.to(flat.dtype), beta=int(accumulate),
+                        out=target)
+        elif isinstance(form, Rows):
+            weighted = form.values * weights.to(form.values.dtype)[form.samples].unsqueeze(1)
+            flat = out.view(form.num_rows, -1)
+            if not accumulate:
+                flat.zero_()
+            flat.index_add_(0, form.rows, weighted)
+        elif form.acts is None:
+            weighted_bias_sum(out, form.grads, weights, accumulate)
+        else:
+            weighted_weight_sum(out, form.acts, form.grads, weights, accumulate)
+
+
+def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:
+    """``out = sum_b weights[b] * per_sample[b]`` (``per_sample [B, *out.shape]``), one ``mv``."""
+    flat = per_sample.reshape(len(weights), -1)
+    if out.is_contiguous():
+        torch.mv(flat.t(), weights.to(flat.dtype), out=out.view(-1))
+    else:
+        out.copy_((weights.to(flat.dtype) @ flat).view(out.shape))

@@ -1,0 +1,69 @@
+"""Each form's quantities (per-sample gradients, squared norms, weighted sums) against the
+dense per-sample tensor it describes, float64; several forms of one kind (joined) and a mix of
+kinds (a parameter shared by modules of different families: its norms carry the cross terms)."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from per_sample_hooks.rules import forms
+from per_sample_hooks.rules.forms import Dense, Outer, Rows
+
+
+def dense_of(form, batch):
+    """The ``[B, n]`` per-sample gradients a form describes, by the definition."""
+    if isinstance(form, Dense):
+        return form.per_sample.reshape(batch, -1)
+    if isinstance(form, Rows):
+        out = torch.zeros(batch, form.num_rows, form.values.shape[1], dtype=torch.double)
+        out.index_put_((form.samples, form.rows), form.values, accumulate=True)
+        return out.reshape(batch, -1)
+    if form.acts is None:
+        return form.grads.sum(2).reshape(batch, -1)
+    return torch.einsum("bjtp,bjtd->bjpd", form.grads, form.acts).reshape(batch, -1)
+
+
+@st.composite
+def form_lists(draw):
+    """A parameter's forms: ``batch``, ``[forms]``, the per-sample size ``n``."""
+    batch = draw(st.integers(1, 4))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+    kinds = draw(st.lists(st.sampled_from(["outer", "bias", "rows", "dense"]), min_size=1,
+                          max_size=3))
+    groups, p, d = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    n = groups * p * d
+    if "bias" in kinds:
+        kinds = ["bias"] * len(kinds)  # a bias and a weight are different parameters
+        n = groups * p
+    result = []
+    for kind in kinds:
+        if kind in ("outer", "bias"):
+            positions = draw(st.integers(1, 4))
+            grads = torch.randn(batch, groups, positions, p, generator=g, dtype=torch.double)
+            acts = None if kind == "bias" else torch.randn(batch, groups, positions, d,
+                                                           generator=g, dtype=torch.double)
+            result.append(Outer(grads, acts))
+        elif kind == "rows":  # the n numbers seen as [n / w, w]
+            width = draw(st.sampled_from([w for w in (1, d) if n % w == 0]))
+            entries = draw(st.integers(0, 6))
+            result.append(Rows(torch.randint(batch, (entries,), generator=g),
+                               torch.randint(n // width, (entries,), generator=g),
+                               torch.randn(entries, width, generator=g, dtype=torch.double),
+                               n // width))
+        else:
+            result.append(Dense(torch.randn(batch, n, generator=g, dtype=torch.double)))
+    return batch, result, n
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=form_lists(), scale=st.sampled_from([1.0, 0.5, 3.0]))
+def test_forms_against_their_dense_gradients(case, scale):
+    batch, parts, n = case
+    expected = sum(dense_of(f, batch) for f in parts)
+    out = torch.full((batch, n), float("nan"), dtype=torch.double)
+    forms.write(out, parts, scale)
+    torch.testing.assert_close(out, scale * expected)
+    torch.testing.assert_close(forms.norms_squared(parts, batch), expected.pow(2).sum(1))
+    weights = torch.rand(batch, dtype=torch.double)
+    total = torch.full((n,), float("nan"), dtype=torch.double)
+    forms.weighted_sum(total, parts, weights)
+    torch.testing.assert_close(total, weights @ expected)
