@@ -255,3 +255,74 @@ def test_sparse_use_outside_the_module_is_reported():
         assert model.emb.weight.grad.is_sparse
         with pytest.raises(psh.PerSampleHooksError, match="'emb.weight'"):
             psh.compute_grad1(model, loss_type="sum")
+
+
+# --- no token per sample -----------------------------------------------------------------------
+
+class EmbedSummed(nn.Module):
+    """Embedding of ``tokens [B, T]`` summed over the T tokens, added to a dense input: with
+    T = 0 the table gets no gradient and the Linear still does."""
+
+    def __init__(self, vocab: int, dim: int, **options):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, **options)
+        self.lin = nn.Linear(dim, 2)
+
+    def forward(self, tokens, x):
+        return self.lin(torch.tanh(x + self.emb(tokens).sum(1)))
+
+
+def no_token_cases():
+    return {
+        "embedding": (lambda: EmbedSummed(5, 3),
+                      lambda dtype: [torch.zeros(4, 0, dtype=torch.long),
+                                     torch.randn(4, 3, dtype=dtype)]),
+        "embedding_padding": (lambda: EmbedSummed(5, 3, padding_idx=1),
+                              lambda dtype: [torch.zeros(4, 0, dtype=torch.long),
+                                             torch.randn(4, 3, dtype=dtype)]),
+        # 1-D input with offsets, every bag empty (a 2-D [B, 0] input is refused by torch)
+        "bag_max_all_empty": (lambda: Bags(5, 3, flat=True, mode="max"),
+                              lambda dtype: [torch.zeros(4, 3, dtype=torch.long),
+                                             torch.zeros(4, dtype=torch.long)]),
+        "bag_mean_all_empty": (lambda: Bags(5, 3, flat=True, mode="mean"),
+                               lambda dtype: [torch.zeros(4, 3, dtype=torch.long),
+                                              torch.zeros(4, dtype=torch.long)]),
+    }
+
+
+@pytest.mark.parametrize("case", list(no_token_cases()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_no_token_per_sample(case, dtype):
+    """Inputs with no token per sample ([B, 0], B > 0): zero table gradients [B, V, d], zero
+    norms and a working clip_grads, all as the float64 loop (once: 'cannot reshape tensor of 0
+    elements')."""
+    torch.manual_seed(0)
+    make, inputs = no_token_cases()[case]
+    model, x = make().to(dtype), inputs(dtype)
+    table = next(n for n, p in model.named_parameters() if p.dim() == 2 and p.shape[0] == 5)
+    reference = copy.deepcopy(model).double()
+    x64 = [t.double() if t.is_floating_point() else t for t in x]
+    expected = loop_grads(reference, x64, weighted_square, 4)
+    expected_norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    try:
+        hooked_backward(model, x)
+        psh.compute_grad1(model)
+        params = dict(model.named_parameters())
+        assert params[table].grad1.shape == (4, 5, 3)
+        assert not params[table].grad1.any()
+        for n, g in expected.items():
+            torch.testing.assert_close(params[n].grad1.double(), g, **tolerance)
+        hooked_backward(model, x)
+        norms = psh.compute_norms(model)
+        torch.testing.assert_close(norms.double(), expected_norms, **tolerance)
+        hooked_backward(model, x)
+        clipped = psh.clip_grads(model, max_norm=0.1)
+        torch.testing.assert_close(clipped.double(), expected_norms, **tolerance)
+        coefficients = (0.1 / (expected_norms + 1e-6)).clamp(max=1)
+        for n, g in expected.items():
+            torch.testing.assert_close(params[n].grad.double(),
+                                       torch.einsum("b,b...->...", coefficients, g) / 4,
+                                       **tolerance)
+    finally:
+        psh.remove_hooks(model)

@@ -41,7 +41,7 @@ def token_rows(tokens: Tensor, grads: Tensor, padding_idx: int | None, num_rows:
     """Entries of one Embedding call: ``tokens [B, *]``, output gradients ``[B, *, d]``."""
     batch = tokens.shape[0]
     flat_tokens = tokens.reshape(-1)
-    values = grads.reshape(flat_tokens.numel(), -1)
+    values = grads.reshape(flat_tokens.numel(), grads.shape[-1])  # -1: ambiguous if no token
     samples = torch.arange(batch, device=tokens.device).repeat_interleave(
         flat_tokens.numel() // batch if batch else 0)
     if padding_idx is not None:
