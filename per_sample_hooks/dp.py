@@ -101,7 +101,7 @@ class DPSGD:
                  noise_multiplier: float, max_grad_norm: float, dataset_size: int,
                  batch_size: int, sampling: Sampling = "poisson", loss_type: LossType = "mean",
                  accountant: str | Any | None = "rdp", generator: torch.Generator | None = None):
-        _check_max_norm(max_grad_norm, "DPSGD")
+        max_grad_norm = _check_max_norm(max_grad_norm, "DPSGD", "max_grad_norm")
         if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
                 and noise_multiplier >= 0):
             raise ValueError(f"DPSGD: noise_multiplier must be a finite number >= 0, got "

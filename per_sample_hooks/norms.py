@@ -9,6 +9,7 @@ per-sample gradients (each rule picks its cheapest exact path; see ``rules/ghost
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from functools import partial
 
@@ -142,10 +143,41 @@ def clipping_coefficients(norms: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
 
 
-def _check_max_norm(max_norm: float, caller: str) -> None:
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) \
-            or not math.isfinite(max_norm) or max_norm <= 0:
-        raise ValueError(f"{caller}: max_norm must be a finite number > 0, got {max_norm!r}")
+def _check_max_norm(max_norm: object, caller: str, name: str = "max_norm") -> float:
+    """``max_norm`` as a float: any real scalar (a Python int or float, a 0-dim or one-element
+    real tensor, a numpy real scalar or one-element array), finite and > 0."""
+    where = f"{caller}: {name}"
+    if isinstance(max_norm, bool):
+        raise ValueError(f"{where} must be a real number, not bool")
+    if isinstance(max_norm, Tensor):
+        dtype = max_norm.dtype
+        kind = "b" if dtype == torch.bool else "c" if dtype.is_complex else "f"
+        size = max_norm.numel()
+    elif hasattr(getattr(max_norm, "dtype", None), "kind"):  # numpy (not imported here)
+        kind, size = max_norm.dtype.kind, max_norm.size
+    elif isinstance(max_norm, numbers.Number):  # Decimal too (a Number, not a Real)
+        complex_ = isinstance(max_norm, numbers.Complex) and not isinstance(max_norm, numbers.Real)
+        kind, size = "c" if complex_ else "f", None
+    else:
+        kind = "?"
+    if kind == "b":
+        raise ValueError(f"{where} must be a real number, not bool")
+    if kind == "c":
+        raise ValueError(f"{where} must be a real number, not complex: got {max_norm!r}")
+    if kind not in "fiu":
+        raise ValueError(f"{where} must be a real number (int, float or a one-element tensor), "
+                         f"got {max_norm!r}")
+    if size is None:
+        value = float(max_norm)
+    elif size != 1:
+        raise ValueError(f"{where} must be one number, got {size} of them: pass a float")
+    else:
+        value = float(max_norm.item())
+    if not math.isfinite(value):
+        raise ValueError(f"{where} must be finite, got {value}")
+    if value <= 0:
+        raise ValueError(f"{where} must be > 0, got {value}")
+    return value
 
 
 def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
@@ -225,6 +257,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     ``g_i`` sample i's gradient and ``c_i = min(1, max_norm / (|g_i| + 1e-6))``; ``|g_i|`` is
     over all trainable parameters of hooked modules. No second backward: one matmul per layer
     from the captured activations and output gradients. Returns the unclipped norms ``[B]``.
+    ``max_norm``: any real number > 0 (a float, int, one-element tensor or numpy scalar).
 
     ``release_records=True`` (what :class:`~per_sample_hooks.dp.DPSGD` does; no other
     ``compute_*`` can read this step then): drop each layer's captured tensors as soon as its
@@ -233,7 +266,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     norms formed its per-sample gradients keeps them (up to the size of its records) and drops
     its records right away, its clipped sum then a contraction.
     """
-    _check_max_norm(max_norm, "clip_grads")
+    max_norm = _check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
     if step.batch_size == 0:  # the sum over no sample: zero gradients

@@ -1,10 +1,17 @@
+import copy
 from contextlib import contextmanager
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
+from norms_truth import (
+    assert_clipping_matches,
+    assert_norms_match,
+    hooked_backward,
+    loop_clipped,
+    loop_norms,
+)
 from test_conv import Reused as ReusedConv
 from test_conv import SeedCNNWithLoss, conv_setups
 from test_norms import CONV_PATHS, Reused
@@ -134,6 +141,89 @@ def test_bad_max_norm(max_norm):
     with pytest.raises(ValueError, match="max_norm"):
         psh.clip_grads(model, max_norm)
     psh.remove_hooks(model)
+
+
+def clip_with(max_norm: object, dtype: torch.dtype) -> None:
+    """clip_grads(model, max_norm) on a float ``dtype`` model against the float64 loop clipped
+    at ``float(max_norm)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    x = torch.randn(5, 3, dtype=dtype)
+    reference = copy.deepcopy(model).double()
+    total, _, grads = loop_norms(reference, [x.double()], lambda out: out.pow(2).sum(1), "mean")
+    expected = loop_clipped(grads, total, float(max_norm), "mean")
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    try:
+        hooked_backward(model, [x], lambda out: out.pow(2).sum(1))
+        norms = psh.clip_grads(model, max_norm)
+        torch.testing.assert_close(norms.double(), total, **tolerance)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.double(), expected[n], **tolerance)
+    finally:
+        psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1, torch.tensor(0.5), torch.tensor([0.5]),
+                                      torch.tensor(0.5, dtype=torch.float64), torch.tensor(1)],
+                         ids=["float", "int", "tensor0d", "tensor1", "tensor64", "int_tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_norm_real_scalars(max_norm, dtype):
+    """Any real scalar is a max_norm (tensors were refused: 'must be a finite number > 0')."""
+    clip_with(max_norm, dtype)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float64", "int64", "array0d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_norm_numpy_scalars(kind, dtype):
+    np = pytest.importorskip("numpy")
+    max_norm = np.array(0.5) if kind == "array0d" else getattr(np, kind)(1 if kind == "int64"
+                                                                          else 0.5)
+    clip_with(max_norm, dtype)
+
+
+@pytest.mark.parametrize("max_norm, message", [
+    (-1.0, "max_norm must be > 0, got -1.0"),
+    (0, "max_norm must be > 0, got 0.0"),
+    (torch.tensor(-0.5), "max_norm must be > 0, got -0.5"),
+    (float("nan"), "max_norm must be finite, got nan"),
+    (float("inf"), "max_norm must be finite, got inf"),
+    (torch.tensor(float("nan")), "max_norm must be finite, got nan"),
+    (True, "max_norm must be a real number, not bool"),
+    (torch.tensor(True), "max_norm must be a real number, not bool"),
+    (1j, "max_norm must be a real number, not complex"),
+    (torch.tensor(0.5 + 0j), "max_norm must be a real number, not complex"),
+    (torch.tensor([0.5, 1.0]), "max_norm must be one number, got 2 of them"),
+    ("1", "max_norm must be a real number"),
+])
+def test_bad_max_norm_messages(max_norm, message):
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    try:
+        with pytest.raises(ValueError, match=f"^clip_grads: {message}"):
+            psh.clip_grads(model, max_norm)
+    finally:
+        psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("max_norm, message", [
+    ("nan", "max_norm must be finite, got nan"),
+    ("inf", "max_norm must be finite, got inf"),
+    ("bool", "max_norm must be a real number, not bool"),
+    ("complex", "max_norm must be a real number, not complex"),
+])
+def test_bad_numpy_max_norm_messages(max_norm, message):
+    np = pytest.importorskip("numpy")
+    value = {"nan": np.float32("nan"), "inf": np.float64("inf"), "bool": np.bool_(True),
+             "complex": np.complex128(0.5)}[max_norm]
+    model = nn.Linear(3, 2)
+    psh.add_hooks(model)
+    model(torch.randn(4, 3)).sum().backward()
+    try:
+        with pytest.raises(ValueError, match=f"^clip_grads: {message}"):
+            psh.clip_grads(model, value)
+    finally:
+        psh.remove_hooks(model)
 
 
 def test_non_finite_norms_name_the_samples_and_leave_grads():

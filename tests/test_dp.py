@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
+from ground_truth import loop_grads
 from per_sample_hooks.dp import DPSGD, fixed_size_batch, noise_multiplier_for, poisson_batch
 
 
@@ -161,13 +162,53 @@ def test_optimizer_step_uses_privatized_gradient():
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(max_norm=0.0), "max_norm"), (dict(noise=-1.0), "noise_multiplier"),
+    (dict(max_norm=0.0), "max_grad_norm"), (dict(noise=-1.0), "noise_multiplier"),
     (dict(batch_size=0), "batch_size"), (dict(batch_size=100), "batch_size"),
     (dict(sampling="shuffle"), "sampling"),
 ])
 def test_bad_arguments(options, match):
     with pytest.raises(ValueError, match=match):
         _setup(accountant=None, **options)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_grad_norm_real_scalars(kind, dtype):
+    """DPSGD takes a tensor or numpy max_grad_norm (once refused: 'must be a finite number > 0')
+    and clips as with the float: p.grad against the float64 loop clipped at 0.5, no noise."""
+    if kind == "numpy":
+        max_grad_norm = pytest.importorskip("numpy").float32(0.5)
+    else:
+        max_grad_norm = torch.tensor(0.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    reference = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    reference.load_state_dict(model.state_dict())
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+               max_grad_norm=max_grad_norm, dataset_size=10, batch_size=5, accountant=None)
+    assert dp.max_grad_norm == 0.5 and type(dp.max_grad_norm) is float
+    x = torch.randn(5, 3, dtype=dtype)
+    dp.zero_grad()
+    model(x).pow(2).sum(1).mean().backward()
+    dp.step()
+    grads = loop_grads(reference, [x.double()], lambda out: out.pow(2).sum(1), 5)
+    total = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    coefficients = (0.5 / (total + 1e-6)).clamp(max=1)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    for n, p in model.named_parameters():
+        expected = torch.einsum("b,b...->...", coefficients, grads[n]) / 5
+        torch.testing.assert_close(p.grad.double(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("value, message", [
+    (-1.0, "max_grad_norm must be > 0, got -1.0"), (float("nan"), "must be finite, got nan"),
+    (True, "must be a real number, not bool"), (torch.tensor(0j), "not complex"),
+])
+def test_bad_max_grad_norm_messages(value, message):
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=f"^DPSGD: .*{message}"):
+        DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0,
+              max_grad_norm=value, dataset_size=10, batch_size=5, accountant=None)
 
 
 def test_epsilon_without_accountant_raises():
