@@ -245,7 +245,21 @@ def _parameter_dtype(module: nn.Module) -> torch.dtype | None:
 
 
 def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
-    """Check what was captured and pair each hooked module with its rule and calls."""
+    """Check what was captured and pair each hooked module with its rule and calls.
+
+    A refused step that had a backward is over, as a computed one is: the next forward starts
+    a new step (else it would count as a second micro-batch of the refused one)."""
+    try:
+        return _prepare_step(model, loss_type, caller)
+    except Exception:
+        state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
+        if state is not None and state.backward_seen:
+            state.consumed = True
+        raise
+
+
+def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
+                  ) -> tuple[HookState, Step]:
     if loss_type not in ("mean", "sum"):
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)

@@ -385,6 +385,52 @@ def test_errors_leave_the_model_usable():
 
 
 
+def refuse(model: nn.Module, refusal: str, dtype: torch.dtype) -> None:
+    """One step of ``model`` (Linear, BatchNorm1d, Tanh, Linear) that compute_* refuses."""
+    x = torch.randn(6, 5, dtype=dtype)
+    model.train(refusal == "batchnorm_training")  # batch statistics mix the samples
+    model.zero_grad(set_to_none=True)
+    if refusal == "batch_sizes":  # two batches of different sizes in one step
+        (model(x).sum() + model(x[:4]).sum()).backward()
+    else:
+        model(x).sum().backward()
+    if refusal == "in_place":
+        x.mul_(2)
+
+
+@pytest.mark.parametrize("refusal", ["batchnorm_training", "batch_sizes", "in_place"])
+@pytest.mark.parametrize("refused_by", ["compute_grad1", "compute_norms", "clip_grads"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_refused_step_does_not_poison_the_next(refusal, refused_by, dtype):
+    """After a refusal, the next forward starts a new step (it was taken for a second
+    micro-batch of the refused step: 'ran a forward pass after a backward pass')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+    model = model.to(dtype)
+    with torch.no_grad():  # running statistics away from (0, 1)
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    psh.add_hooks(model)
+    try:
+        refuse(model, refusal, dtype)
+        compute = {"compute_grad1": psh.compute_grad1, "compute_norms": psh.compute_norms,
+                   "clip_grads": lambda m: psh.clip_grads(m, 1.0)}[refused_by]
+        with pytest.raises(psh.PerSampleHooksError):
+            compute(model)
+        model.eval()
+        x = torch.randn(5, 5, dtype=dtype)
+        step(model, x)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    reference = model.double()
+    expected = loop_grads(reference, [x.double()], sum_of_outputs, 5)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n].double(), g, **tolerance, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_position_ids_broadcast_over_the_batch_are_refused_with_the_fix():
     class Positional(nn.Module):
         def __init__(self):
