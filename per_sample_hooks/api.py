@@ -104,6 +104,11 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     A ``DistributedDataParallel`` or ``DataParallel`` model is hooked through to the model it
     wraps (the same state answers for either handle). A ``torch.compile``'d model is refused:
     compiled code does not see hooks added after compilation; hook the model, then compile it.
+
+    A copy of a hooked model (``torch.save(model)`` then ``torch.load(..., weights_only=False)``,
+    ``pickle``, ``copy.deepcopy``) is not hooked: its copied hooks do nothing and it computes as
+    an unhooked model (its parameters keep copies of any ``grad1``/``hess`` attributes); call
+    ``add_hooks`` on the copy to hook it. The original stays hooked.
     """
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
         raise PerSampleHooksError(

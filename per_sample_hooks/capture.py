@@ -225,10 +225,9 @@ class HookState:
         # called as on_gradient(module, call) after a gradient of a call's output is captured
         # (set for the length of a backward by an add-on; opaque to capture)
         self.on_gradient: Callable[[nn.Module, Call], None] | None = None
-        for module, (_, batch_dim) in modules.items():
-            hook = self._make_forward_hook(module, self.calls[module], batch_dim,
-                                           self.modules[module][0])
-            self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        for module in modules:
+            self.handles.append(module.register_forward_hook(ForwardHook(self, module),
+                                                             with_kwargs=True))
         _live_states.add(self)
 
     @property
@@ -237,44 +236,45 @@ class HookState:
 
     def __reduce__(self) -> tuple:
         """A copy (``copy.deepcopy(model)``, pickling) of a hooked model is not hooked: its
-        state becomes None and its copied hooks ignore it (they serve the original modules)."""
+        state becomes None, and so does the state its copied hooks hold (:class:`ForwardHook`):
+        they do nothing."""
         return _no_state, ()
 
-    def _make_forward_hook(self, owner: nn.Module, calls: list[Call], batch_dim: int, name: str
-                           ) -> Callable:
-        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if not self.enabled or module is not owner or not torch.is_grad_enabled():
+    def forward_hook(self, owner: nn.Module, module: nn.Module, args: tuple, kwargs: dict,
+                     output: Any) -> Any:
+        """Record a call of ``owner`` (see :class:`ForwardHook`)."""
+        if not self.enabled or module is not owner or not torch.is_grad_enabled():
+            return
+        compiling = torch.compiler.is_compiling()
+        if _inside_torch_func(compiling):
+            return
+        if isinstance(output, Tensor):
+            if not output.requires_grad:
                 return
-            compiling = torch.compiler.is_compiling()
-            if _inside_torch_func(compiling):
+            leaves = (output,)
+        else:
+            leaves, spec = tree_flatten(output)
+            if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
                 return
-            if isinstance(output, Tensor):
-                if not output.requires_grad:
-                    return
-                leaves = (output,)
-            else:
-                leaves, spec = tree_flatten(output)
-                if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
-                    return
-                if module in self.isolate_outputs:
-                    leaves = [_isolated(t) for t in leaves]
-                    output = tree_unflatten(leaves, spec)
-            if self.consumed:
-                self.clear()
-            elif self.backward_seen and self.forward_after_backward is None:
-                self.forward_after_backward = name  # a second micro-batch: refused by compute_*
-            args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
-            call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
+            if module in self.isolate_outputs:
+                leaves = [_isolated(t) for t in leaves]
+                output = tree_unflatten(leaves, spec)
+        name, batch_dim = self.modules[owner]
+        if self.consumed:
+            self.clear()
+        elif self.backward_seen and self.forward_after_backward is None:
+            self.forward_after_backward = name  # a second micro-batch: refused by compute_*
+        args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
+        call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
 
-            def arrived(call: Call = call) -> None:
-                if self.on_gradient is not None:
-                    self.on_gradient(owner, call)
-            for grads, leaf in zip(call.grads, leaves):
-                if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    capture_gradient(leaf, grads, self, arrived)
-            calls.append(call)
-            return output
-        return forward_hook
+        def arrived(call: Call = call) -> None:
+            if self.on_gradient is not None:
+                self.on_gradient(owner, call)
+        for grads, leaf in zip(call.grads, leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                capture_gradient(leaf, grads, self, arrived)
+        self.calls[owner].append(call)
+        return output
 
     def clear(self) -> None:
         """Forget every captured call (buffers stay for reuse)."""
@@ -333,6 +333,24 @@ class HookState:
     def hooked_calls(self) -> Iterator[tuple[nn.Module, str, list[Call]]]:
         for module, (name, _) in self.modules.items():
             yield module, name, self.calls[module]
+
+
+class ForwardHook:
+    """The forward hook of one hooked module: ``state.forward_hook(owner, ...)``. An object of a
+    module-level class, not a closure, so that a hooked model can be pickled (``torch.save(
+    model)``); its state pickles and deep-copies to None (:meth:`HookState.__reduce__`), so
+    the hooks of a copy do nothing: the copy is not hooked (``add_hooks`` it to hook it)."""
+
+    __slots__ = ("state", "owner")
+
+    def __init__(self, state: HookState, owner: nn.Module):
+        self.state: HookState | None = state
+        self.owner = owner
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.state is not None:
+            return self.state.forward_hook(self.owner, module, args, kwargs, output)
+        return None
 
 
 def _no_state() -> None:

@@ -54,8 +54,14 @@ class OutputEdges:
                          for module in state.modules]
         state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
 
+    def __getstate__(self) -> dict:
+        """A copy (pickling or ``copy.deepcopy`` of the model whose hooks are this object's
+        ``_record``) has no state, edges or handles: its hooks do nothing."""
+        return {**self.__dict__, "_state": None, "edges": [], "_handles": []}
+
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
-        # a copy of the model (copy.deepcopy) has a copy of this hook, and no state: a no-op
+        # a copy of the model (copy.deepcopy, pickling) has a copy of this hook, and no state:
+        # a no-op
         if self._state is None or not self._state.enabled or not torch.is_grad_enabled():
             return
         for leaf in tree_flatten(output)[0]:

@@ -1,5 +1,9 @@
 """The public verbs: hook life cycle, capture switches, the open registry, persistent buffers,
 and a clear error for each bad use."""
+import copy
+import io
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +11,7 @@ from torch import nn
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, loop_grads, sum_of_outputs
 from per_sample_hooks.capture import STATE_ATTRIBUTE
+from per_sample_hooks.dp import DPSGD, OutputEdges
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -98,6 +103,90 @@ def test_hooks_change_neither_outputs_nor_grad():
     for p, q in zip(plain.parameters(), hooked.parameters()):
         assert torch.equal(p.grad, q.grad)
     psh.remove_hooks(hooked)
+
+
+class ScaledMLP(nn.Module):
+    """Linear, Tanh, Linear and a module with no rule (a fallback unit)."""
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+        def forward(self, x):
+            return x * self.w
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        self.scale = self.Scale()
+
+    def forward(self, x):
+        return self.scale(self.body(x))
+
+
+def roundtrip(model: nn.Module, how: str) -> nn.Module:
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+@pytest.mark.parametrize("extra", ["none", "output_edges", "dpsgd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hooked_model_saves_and_loads_unhooked(how, extra, dtype):
+    """A hooked model (with its records, and an OutputEdges or a DPSGD on it) pickles (its hooks
+    were closures: "Can't pickle local object"); the copy is not hooked, computes as the
+    original, and hooked in turn gives exact grad1."""
+    torch.manual_seed(0)
+    model = ScaledMLP().to(dtype)
+    state = psh.add_hooks(model)
+    x = torch.randn(6, 5, dtype=dtype)
+    if extra == "output_edges":
+        edges = OutputEdges(model)
+        edges.backward(model(x).sum())
+    elif extra == "dpsgd":
+        DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+              max_grad_norm=1.0, dataset_size=10, batch_size=6, accountant=None)
+        model(x).sum().backward()
+    else:
+        step(model, x)
+    psh.compute_grad1(model)
+    model(x)  # a forward's records too (and OutputEdges' recorded edges)
+    loaded = roundtrip(model, how)
+    assert loaded.__dict__.get(STATE_ATTRIBUTE) is None
+    with pytest.raises(psh.PerSampleHooksError, match="has no per_sample_hooks"):
+        psh.compute_grad1(loaded)
+    # not hooked: runs as the original, records nothing anywhere
+    recorded = [list(calls) for calls in state.calls.values()]
+    out_loaded = step(loaded, x)
+    assert [list(calls) for calls in state.calls.values()] == recorded
+    out_model = step(model, x)
+    assert torch.equal(out_loaded, out_model)
+    for p, q in zip(model.parameters(), loaded.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    psh.remove_hooks(model)
+    # and it can be hooked
+    x = torch.randn(5, 5, dtype=dtype)
+    psh.add_hooks(loaded)
+    try:
+        step(loaded, x)
+        psh.compute_grad1(loaded)
+        got = {n: p.grad1.clone() for n, p in loaded.named_parameters()}
+    finally:
+        psh.remove_hooks(loaded)
+    reference = ScaledMLP().double()
+    reference.load_state_dict(loaded.state_dict())
+    expected = loop_grads(reference, [x.double()], sum_of_outputs, 5)
+    assert got.keys() == expected.keys()
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n].double(), g, **tolerance, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ----------------------------------------------------------------------------- switches
