@@ -324,3 +324,128 @@ def test_attention_norms_and_clipping(freeze_in_proj, loss_type):
     assert_matches_loop(AttentionThenHead(freeze_in_proj), [x], loss_type=loss_type)
     assert_norms_match(AttentionThenHead(freeze_in_proj), [x], loss_type=loss_type)
     assert_clipping_matches(AttentionThenHead(freeze_in_proj), [x], 0.5, loss_type=loss_type)
+
+
+# --- recurrent layers inside a unit ------------------------------------------------------------
+
+class Encoder(nn.Module):
+    """A recurrent layer and a Linear on its outputs (a unit by ``units=``), as a wrapper around
+    an encoder would be; ``learned_h0``: the initial state is a parameter of the wrapper."""
+
+    def __init__(self, kind: str, batch_first: bool, learned_h0: bool = False, **options):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(3, 4, batch_first=batch_first, **options)
+        directions = 2 if self.rnn.bidirectional else 1
+        out = getattr(self.rnn, "proj_size", 0) or 4
+        self.lin = nn.Linear(out * directions, 2)
+        self.h0 = (nn.Parameter(torch.randn(self.rnn.num_layers * directions, 1, out))
+                   if learned_h0 else None)
+
+    def forward(self, x):
+        if self.h0 is None:
+            y, _ = self.rnn(x)
+        else:
+            batch = x.shape[0 if self.rnn.batch_first else 1]
+            h0 = self.h0.expand(-1, batch, -1)
+            if isinstance(self.rnn, nn.LSTM):
+                h0 = (h0, x.new_zeros(h0.shape[0], batch, self.rnn.hidden_size))
+            y, _ = self.rnn(x, h0)
+        return self.lin(torch.tanh(y))
+
+
+class Encoded(nn.Module):
+    def __init__(self, *args, **options):
+        super().__init__()
+        self.enc = Encoder(*args, **options)
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+RECURRENT_VARIANTS = {
+    "plain": {},
+    "bidirectional_2_layers": dict(bidirectional=True, num_layers=2),
+    "learned_h0": dict(learned_h0=True),
+    "eval": {},
+}
+
+
+@pytest.mark.parametrize("variant", list(RECURRENT_VARIANTS))
+@pytest.mark.parametrize("kind", ["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recurrent_layer_in_unit(variant, kind, batch_first, dtype):
+    """An RNN/GRU/LSTM inside a unit (units=): grad1 and norms as the float64 loop (once: the
+    layer's own zeros initial state, not batched under vmap, was written in place ('output with
+    shape [1, 4] doesn't match the broadcast shape'), and the float32 LSTM's oneDNN kernel,
+    run under compute_grad1's no_grad, kept no workspace for its backward)."""
+    torch.manual_seed(0)
+    model = Encoded(kind, batch_first, **RECURRENT_VARIANTS[variant]).to(dtype)
+    model.train(variant != "eval")
+    dim = 0 if batch_first else 1
+    x = torch.randn(5, 4, 3, dtype=dtype)
+    x = x if batch_first else x.transpose(0, 1).contiguous()
+
+    def loss_fn(output):
+        return weighted_square(output.movedim(dim, 0))
+
+    psh.add_hooks(model, units=["enc"], batch_dim=dim)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x)).mean().backward()
+        norms = psh.compute_norms(model).double()
+    finally:
+        psh.remove_hooks(model)
+    model = model.double()
+    expected = loop_grads_of(model, ([x.double().narrow(dim, i, 1)] for i in range(5)), loss_fn)
+    assert got.keys() == expected.keys()
+    tolerance = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else {}
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, **tolerance, msg=lambda m, n=n: f"{n}: {m}")
+    torch.testing.assert_close(norms, torch.cat([g.flatten(1) for g in expected.values()], 1)
+                               .norm(dim=1), **tolerance)
+
+
+def test_recurrent_dropout_in_unit_refused_in_training_only():
+    """Dropout between the layers of an RNN in a unit draws a new mask in the re-run: refused
+    in training mode, exact in eval mode."""
+    torch.manual_seed(0)
+    model = Encoded("LSTM", True, num_layers=2, dropout=0.5).double()
+    psh.add_hooks(model, units=["enc"])
+    try:
+        model(torch.randn(3, 4, 3, dtype=torch.double)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'enc' \(Encoder\).*dropout.*\(rnn\)"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+    model.eval()
+    assert_matches_loop(model, [torch.randn(3, 4, 3)], units=["enc"])
+
+
+def test_packed_sequence_in_unit_refused():
+    """pack_padded_sequence inside a unit: lengths that differ by sample cannot be vmapped;
+    refused with the unit, its recurrent layer and what to do."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class Packing(Encoder):
+        def forward(self, x, lengths):
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            y, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
+                                       total_length=x.shape[1])
+            return self.lin(y)
+
+    torch.manual_seed(0)
+    model = Packing("GRU", True).double()
+    psh.add_hooks(model, units=[""])
+    try:
+        model(torch.randn(3, 4, 3, dtype=torch.double), torch.tensor([4, 2, 1])).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError,
+                           match=r"Packing, a unit .* recurrent layers 'rnn' \(GRU\).*own rule"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)

@@ -17,6 +17,10 @@ Where the samples sit in each argument and output is the module's *layout*: by d
 module's ``batch_dim`` (from ``add_hooks``) for every tensor whose size there is the batch size;
 :func:`register_layout` adds exact layouts for module types whose arguments disagree (attention:
 ``key_padding_mask`` and the attention weights are batch first whatever ``batch_first`` says).
+
+Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) inside a unit get an initial state batched
+over the samples in the re-run (their own zeros are not, and they write into them in place);
+packed sequences inside a unit (lengths that differ by sample) cannot be vmapped: refused.
 """
 from __future__ import annotations
 
@@ -190,7 +194,39 @@ def _random_modules(module: nn.Module) -> list[str]:
             found.append(name or type(sub).__name__)
         elif isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
             found.append(name or type(sub).__name__)
+        elif isinstance(sub, nn.RNNBase) and sub.dropout > 0 and sub.num_layers > 1:
+            found.append(name or type(sub).__name__)  # dropout between its layers
     return found
+
+
+def _batched_initial_state(module: nn.RNNBase, args: tuple, kwargs: dict
+                           ) -> tuple[tuple, dict] | None:
+    """Forward pre-hook on the recurrent layers of a fallback unit during the re-run: give each
+    call an initial state batched over the samples of ``vmap``. Without one the layer makes its
+    zeros with ``torch.zeros`` (not batched) and writes each sample's state into them in place,
+    which ``vmap`` refuses ("output with shape [1, h] doesn't match the broadcast shape
+    [B, 1, h]"); a given state not batched (a learned ``h0``) is made batched by adding batched
+    zeros."""
+    data = args[0] if args else kwargs.get("input")
+    if not isinstance(data, Tensor):  # a PackedSequence: as it is (see call_grad1)
+        return None
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    lead = [module.num_layers * (2 if module.bidirectional else 1)]
+    if data.dim() == 3:  # else unbatched [T, in]
+        lead.append(data.shape[0 if module.batch_first else 1])
+    sizes = [module.hidden_size]
+    if isinstance(module, nn.LSTM):
+        sizes = [module.proj_size or module.hidden_size, module.hidden_size]
+    zeros = [data.new_zeros((*lead, size)) for size in sizes]  # new_zeros: batched under vmap
+    if hx is None:
+        hx = tuple(zeros) if isinstance(module, nn.LSTM) else zeros[0]
+    elif isinstance(hx, Tensor):
+        hx = hx + zeros[0]
+    else:
+        hx = tuple(h + z for h, z in zip(hx, zeros))
+    if len(args) > 1:
+        return (args[0], hx, *args[2:]), kwargs
+    return args, {**kwargs, "hx": hx}
 
 
 class FallbackRule(Rule):
@@ -271,4 +307,28 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
         return tuple(result[n] for n in names)
 
-    return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args, cotangents)
+    # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
+    # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
+    # backward: "Expected a proper Tensor but got None ... for argument #22 'workspace'")
+    recurrent = {n or ".": m for n, m in module.named_modules()
+                 if type(m).forward in (nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward)}
+    handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
+               for m in recurrent.values()]
+    try:
+        with torch.enable_grad():
+            return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
+                                                                                cotangents)
+    except RuntimeError as error:
+        if not recurrent or isinstance(error, PerSampleHooksError):
+            raise
+        layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
+        raise PerSampleHooksError(
+            f"{type(module).__name__}, a unit of the torch.func fallback with recurrent layers "
+            f"{layers}, could not be re-run per sample under torch.func.vmap ({error}). "
+            "Packed sequences (pack_padded_sequence: lengths that differ by sample) cannot be "
+            "vmapped. Let the recurrent layers have their own rule (exact, packed sequences "
+            "included): do not make the module that calls them a unit (units=), or move them "
+            "out of it") from error
+    finally:
+        for handle in handles:
+            handle.remove()
