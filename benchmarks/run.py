@@ -11,6 +11,7 @@ Methods (each one full training step, timed interleaved in one process, see harn
 - ``grad1``: hooked forward + backward + ``compute_grad1``.
 - ``grad1 no check``: the same with ``add_hooks(..., check_unseen=False)`` (what the unseen-use
   check costs).
+- ``grad1 checked``: with ``check_unseen="always"`` (what a step the check runs on costs).
 - ``torch.func``: ``vmap(grad(loss of one sample))`` with ``functional_call``.
 - ``loop``: one forward + backward per sample, gradients stacked.
 - ``floor``: ``plain`` plus writing B*P floats once into an existing buffer (``fill_``): what
@@ -87,9 +88,10 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     _, build, shape, batch, loss_fn, loss_type = MODELS[model]
     torch.manual_seed(seed)
     plain = build()
-    hooked, unchecked = copy.deepcopy(plain), copy.deepcopy(plain)
+    hooked, unchecked, always = (copy.deepcopy(plain) for _ in range(3))
     psh.add_hooks(hooked)
     psh.add_hooks(unchecked, check_unseen=False)
+    psh.add_hooks(always, check_unseen="always")
     x = torch.randn(batch, *shape)
     y = torch.randint(10, (batch,))
     n_floats = batch * sum(p.numel() for p in plain.parameters())
@@ -115,6 +117,10 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
         step(unchecked)
         psh.compute_grad1(unchecked, loss_type=loss_type)
 
+    def checked_step() -> None:
+        step(always)
+        psh.compute_grad1(always, loss_type=loss_type)
+
     def floor_step() -> None:
         step(plain)
         floor_buffer.fill_(1.0)
@@ -137,7 +143,8 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
         [torch.stack(g) for g in zip(*grads)]
 
     return {"plain": plain_step, "hooks": hooks_step, "grad1": grad1_step,
-            "grad1 no check": unchecked_step, "torch.func": func_step, "loop": loop_step,
+            "grad1 no check": unchecked_step, "grad1 checked": checked_step,
+            "torch.func": func_step, "loop": loop_step,
             "floor": floor_step}
 
 

@@ -9,13 +9,15 @@ Methods (one full training step each, timed interleaved in one process, see harn
 - ``hooks``: the same on the hooked model (capture only), then ``clear_backprops``.
 - ``grad1``: hooked forward + backward + ``compute_grad1`` (unseen-use check on, the default).
 - ``grad1 no check``: the same with ``add_hooks(..., check_unseen=False)``.
+- ``grad1 checked``: with ``check_unseen="always"``: what a step the check runs on costs.
 - ``torch.func``: ``vmap(grad(loss of one sample))`` over the whole model with
   ``functional_call``. For the LSTM, ``vmap`` over ``nn.LSTM`` fails on torch 2.13 (no batching
   rule for the fused kernel), so torch.func runs on an equivalent unrolled LSTM (the cell's
   matmuls in a loop over time, same parameters).
 
 Models: the transformer classifier (embedding, learned positions, 2 encoder layers, head) and
-the LSTM classifier of ``tests/models.py``, and the MLP 784-512-512-10 (check overhead only).
+the LSTM classifier of ``tests/models.py``, a Conv1d+GroupNorm stack, and the MLP 784-512-512-10
+(check overhead only).
 """
 from __future__ import annotations
 
@@ -66,6 +68,12 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], Callable[[int], Tensor], i
     "lstm": ("LSTM classifier: vocab 1000, d=64, 2-layer LSTM h=128, T=32, B=32",
              lambda: LSTMClassifier(1000, 64, 128, 10),
              lambda b: torch.randint(0, 1000, (b, 32)), 32),
+    "conv1d": ("Conv1d+GroupNorm: 3 blocks Conv1d(32, 32, 5, padding=2), GroupNorm(4, 32), ReLU"
+               " on [B, 32, 64], mean-pooled head, B=32",
+               lambda: nn.Sequential(*[layer for _ in range(3) for layer in (
+                   nn.Conv1d(32, 32, 5, padding=2), nn.GroupNorm(4, 32), nn.ReLU())],
+                   nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(32, 10)),
+               lambda b: torch.randn(b, 32, 64), 32),
     "mlp784": ("MLP 784-512-512-10 ReLU, B=128 (unseen-use check overhead)",
                lambda: nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512),
                                      nn.ReLU(), nn.Linear(512, 10)),
@@ -77,9 +85,10 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     _, build, make_input, batch = MODELS[name]
     torch.manual_seed(seed)
     plain = build()
-    hooked, unchecked = copy.deepcopy(plain), copy.deepcopy(plain)
+    hooked, unchecked, always = (copy.deepcopy(plain) for _ in range(3))
     psh.add_hooks(hooked)
     psh.add_hooks(unchecked, check_unseen=False)
+    psh.add_hooks(always, check_unseen="always")
     x, y = make_input(batch), torch.randint(0, 10, (batch,))
 
     def step(m: nn.Module) -> None:
@@ -113,6 +122,7 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     per_sample_grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))
     methods = {"plain": lambda: step(plain), "hooks": hooks_step,
                "grad1": grad1_step(hooked), "grad1 no check": grad1_step(unchecked),
+               "grad1 checked": grad1_step(always),
                "torch.func": lambda: per_sample_grads(params, x, y)}
     if name == "mlp784":
         del methods["torch.func"], methods["hooks"]
