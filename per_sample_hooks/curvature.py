@@ -79,12 +79,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
-from .norms import _parameter_names
 from .rules.base import split_passes
 from .rules.kronecker import Approx, check_approx
+from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names, prepare_step
 
 HessType = Literal["LeastSquares", "CrossEntropy"]
 HESS_TYPES = ("LeastSquares", "CrossEntropy")
@@ -257,7 +256,7 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     layers whose rule has no ``hess`` instead of raising."""
     _check_unsupported(unsupported, "compute_hess")
     state, model_step = prepare_step(model, loss_type, "compute_hess")
-    _parameter_names(model, model_step, "compute_hess")  # refuses parameters shared by modules
+    parameter_names(model, model_step, "compute_hess")  # refuses parameters shared by modules
     check_unseen_uses(state, model_step)
     for layer in _curvature_layers(model_step):
         try:
@@ -308,7 +307,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     gradients for one-position Linear layers (``(G^2)^T (A^2)``); others materialize one
     parameter at a time."""
     state, step = prepare_step(model, loss_type, "compute_fisher_diag")
-    names = _parameter_names(model, step, "compute_fisher_diag")
+    names = parameter_names(model, step, "compute_fisher_diag")
     check_unseen_uses(state, step)
     result = {}
     for layer in step.layers:
@@ -335,7 +334,7 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
             "compute_grad_variance: the hooks captured several backward passes; the variance "
             "of per-sample gradients needs exactly one ordinary backward of the loss")
     second = compute_fisher_diag(model, loss_type)
-    names = _parameter_names(model, step, "compute_grad_variance")
+    names = parameter_names(model, step, "compute_grad_variance")
     batch = step.batch_size
     for layer in step.layers:
         if not layer.calls or not layer.parameters:
@@ -361,7 +360,7 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     ``(A A^T) * (G G^T)``; several positions: the ghost Gram where cheaper; other layers
     materialize one parameter at a time."""
     state, step = prepare_step(model, loss_type, "compute_gram")
-    _parameter_names(model, step, "compute_gram")
+    parameter_names(model, step, "compute_gram")
     check_unseen_uses(state, step)
     total = None
     for layer in _curvature_layers(step):

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import distributed
-from .api import LossType
 from .edges import OutputEdges
-from .norms import _check_max_norm, clip_grads
+from .norms import check_max_norm, clip_grads
+from .step import LossType
 
 Sampling = Literal["poisson", "fixed"]
 
@@ -101,7 +101,7 @@ class DPSGD:
                  noise_multiplier: float, max_grad_norm: float, dataset_size: int,
                  batch_size: int, sampling: Sampling = "poisson", loss_type: LossType = "mean",
                  accountant: str | Any | None = "rdp", generator: torch.Generator | None = None):
-        max_grad_norm = _check_max_norm(max_grad_norm, "DPSGD", "max_grad_norm")
+        max_grad_norm = check_max_norm(max_grad_norm, "DPSGD", "max_grad_norm")
         if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
                 and noise_multiplier >= 0):
             raise ValueError(f"DPSGD: noise_multiplier must be a finite number >= 0, got "

@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
-from .api import add_hooks, form_on_arrival
+from .api import add_hooks
 from .capture import gradient_tensor
 from .errors import PerSampleHooksError
+from .step import form_on_arrival
 
 
 class OutputEdges:
@@ -37,7 +38,7 @@ class OutputEdges:
     ``form_on_arrival=True``: as each layer's output gradient arrives, form its per-sample
     gradients (into buffers freed with the step's records) and drop its captured input and
     output gradient when those hold at least twice as many numbers
-    (:func:`~per_sample_hooks.api.form_on_arrival`: LayerNorm, Linear and convolutions over
+    (:func:`~per_sample_hooks.step.form_on_arrival`: LayerNorm, Linear and convolutions over
     many positions). This lowers the peak memory of a clipping step (the captured pairs of such
     layers are not all held until the end of the backward) and makes their clipped sum a
     contraction; the step then serves

@@ -16,10 +16,10 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from .api import LayerWork, LossType, Step, check_unseen_uses, prepare_step
 from .capture import HookState
 from .errors import PerSampleHooksError
 from .rules.base import KeptGrads, contract_samples
+from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names, prepare_step
 
 CLIP_EPSILON = 1e-6
 """``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
@@ -29,27 +29,6 @@ KEEP_FRACTION = 0.25
 clipped sum is a cheap contraction instead of a second product) up to this fraction of the
 number of elements the hooks captured (activations and output gradients), in buffers freed
 with the step's records; beyond it the clipped sum is recomputed by one matmul per layer."""
-
-
-def _parameter_names(model: nn.Module, step: Step, caller: str
-                     ) -> dict[int, dict[str, str]]:
-    """Qualified parameter name (as in ``model.named_parameters()``) for each layer's
-    trainable parameters; a parameter shared by two hooked modules is refused."""
-    qualified = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    seen: dict[int, str] = {}
-    names = {}
-    for layer in step.layers:
-        names[id(layer)] = {}
-        for local, p in layer.parameters.items():
-            if id(p) in seen:
-                raise PerSampleHooksError(
-                    f"{caller}: parameter '{local}' of '{layer.name}' is also a parameter of "
-                    f"'{seen[id(p)]}' (tied weights across modules); per-sample norms would miss "
-                    "the cross terms between the two modules. Untie the weights or use "
-                    "compute_grad1 and sum the two modules' grad1 yourself")
-            seen[id(p)] = layer.name
-            names[id(layer)][local] = qualified.get(id(p), f"{layer.name}.{local}")
-    return names
 
 
 def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
@@ -70,7 +49,7 @@ def _per_parameter_squared(model: nn.Module, step: Step, caller: str,
                            keep: KeptGrads | None = None,
                            after: Callable[[LayerWork], None] | None = None
                            ) -> dict[str, Tensor]:
-    names = _parameter_names(model, step, caller)
+    names = parameter_names(model, step, caller)
     result = {}
     for layer in step.layers:
         squared = _layer_norms_squared(layer, step, keep)
@@ -130,7 +109,7 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
 def _empty_batch_norms(model: nn.Module, step: Step, per_param: bool
                        ) -> Tensor | dict[str, Tensor]:
     """Norms of an empty batch: ``[0]`` tensors (per parameter with ``per_param``)."""
-    names = _parameter_names(model, step, "compute_norms")
+    names = parameter_names(model, step, "compute_norms")
     empty = {names[id(layer)][local]: p.new_zeros(0) for layer in step.layers
              for local, p in layer.parameters.items()}
     if per_param:
@@ -143,7 +122,7 @@ def clipping_coefficients(norms: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
 
 
-def _check_max_norm(max_norm: object, caller: str, name: str = "max_norm") -> float:
+def check_max_norm(max_norm: object, caller: str, name: str = "max_norm") -> float:
     """``max_norm`` as a float: any real scalar (a Python int or float, a 0-dim or one-element
     real tensor, a numpy real scalar or one-element array), finite and > 0."""
     where = f"{caller}: {name}"
@@ -266,7 +245,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     norms formed its per-sample gradients keeps them (up to the size of its records) and drops
     its records right away, its clipped sum then a contraction.
     """
-    max_norm = _check_max_norm(max_norm, "clip_grads")
+    max_norm = check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
     if step.batch_size == 0:  # the sum over no sample: zero gradients

@@ -11,10 +11,10 @@ from norms_truth import loop_clipped, loop_norms
 from torch import nn
 
 import per_sample_hooks as psh
-from per_sample_hooks.api import form_on_arrival
 from per_sample_hooks.capture import get_state
 from per_sample_hooks.dp import OutputEdges
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
+from per_sample_hooks.step import form_on_arrival
 
 
 class Mixed(nn.Module):

@@ -1,0 +1,248 @@
+"""The step engine: what the hooks captured in one step, checked and paired with the rules.
+
+Every consumer (``compute_grad1``, norms and clipping, curvature) starts from
+:func:`prepare_step`, which checks the records (batch sizes, in-place changes, layers' own
+refusals) and gives one :class:`LayerWork` per hooked module; :func:`check_unseen_uses` runs the
+unseen-use check of :mod:`per_sample_hooks.unseen` on the steps its schedule checks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
+from .errors import PerSampleHooksError
+from .rules import Rule
+from .rules.base import KeptGrads, contract_samples
+from .rules.fallback import unit_parameters
+from .rules.formed import FormedRule
+
+LossType = Literal["mean", "sum"]
+
+
+def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """``module``'s own trainable parameters."""
+    return {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+
+
+def owned_parameters(state: HookState, module: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too)."""
+    return unit_parameters(module) if module in state.units else trainable_parameters(module)
+
+
+@dataclass
+class LayerWork:
+    """One hooked module ready for a rule: its calls that received gradients."""
+    module: nn.Module
+    name: str
+    rule: Rule
+    calls: list[Call]
+    parameters: dict[str, nn.Parameter]
+
+
+@dataclass
+class Step:
+    """Everything captured in one step, checked: common batch size and the loss scale."""
+    layers: list[LayerWork]
+    batch_size: int
+    scale: float
+
+
+def parameter_dtype(module: nn.Module) -> torch.dtype | None:
+    """The floating-point dtype of ``module``'s first own parameter, if any."""
+    for p in module._parameters.values():
+        if p is not None:
+            return p.dtype if p.is_floating_point() else None
+    return None
+
+
+def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
+    """Check what was captured and pair each hooked module with its rule and calls.
+
+    A refused step that had a backward is over, as a computed one is: the next forward starts
+    a new step (else it would count as a second micro-batch of the refused one)."""
+    try:
+        return _prepare_step(model, loss_type, caller)
+    except Exception:
+        state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
+        if state is not None and state.backward_seen:
+            state.consumed = True
+        raise
+
+
+def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
+                  ) -> tuple[HookState, Step]:
+    if loss_type not in ("mean", "sum"):
+        raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
+    state = get_state(model)
+    if state.forward_after_backward is not None:
+        state.consumed = True  # this step is lost; the next forward starts a new one
+        raise PerSampleHooksError(
+            f"{caller}: '{state.forward_after_backward}' ran a forward pass after a backward "
+            "pass of the same step (several forward+backward passes, e.g. gradient "
+            "accumulation): the rows of different micro-batches would be added sample by "
+            f"sample. Call {caller} after each backward (clone the results to keep them), or "
+            "clear_backprops(model) before each micro-batch you do not need")
+    if state.released_by is not None:
+        raise PerSampleHooksError(
+            f"{caller}: {state.released_by} dropped this step's captured tensors; run a new "
+            "forward and backward (or leave release_records=False to read them again)")
+    layers, sizes = [], {}
+    for module, name, calls in state.hooked_calls():
+        rule = state.rules[module]
+        formed = [c.per_sample for c in calls if c.per_sample is not None]
+        if formed:  # its per-sample gradients were formed on arrival: they are all there is
+            if len(formed) != len(calls) or any(calls[0].grads):
+                raise PerSampleHooksError(
+                    f"{caller}: '{name}' received another gradient after its per-sample "
+                    "gradients were formed on arrival (OutputEdges(model, form_on_arrival="
+                    "True)) and its captured input was dropped: several backward passes of one "
+                    "forward need form_on_arrival=False")
+            sizes.setdefault(calls[0].batch_size, name)
+            layers.append(LayerWork(module, name, FormedRule(formed[0]), calls,
+                                    owned_parameters(state, module)))
+            continue
+        rule.check(module, calls, name)
+        dtype = parameter_dtype(module)
+        with_grads = []
+        for call in calls:
+            changed = call.modified_inputs()
+            if changed:
+                raise PerSampleHooksError(
+                    f"the input of '{name}' ({type(module).__name__}) at position {changed[0]} "
+                    "was modified in place after its forward; per-sample gradients would use "
+                    "the modified values. Avoid the in-place op (e.g. inplace=False) or clone "
+                    "the input")
+            if not call.has_grads:
+                continue
+            # under torch.autocast a module sees lower-precision tensors than its parameters:
+            # compute per-sample quantities in the parameters' dtype (captures converted once)
+            if dtype is not None and call.has_other_float_dtype(dtype):
+                call.cast_(dtype)
+            sizes.setdefault(rule.batch_size(module, call), name)
+            with_grads.append(call)
+        layers.append(LayerWork(module, name, rule, with_grads, owned_parameters(state, module)))
+    if not sizes:
+        raise PerSampleHooksError(
+            f"{caller}: no output gradient was captured since the hooks were added or last "
+            "cleared. Run the forward pass with grad enabled and loss.backward() first")
+    if len(sizes) > 1:
+        seen = ", ".join(f"{size} (at '{name}')" for size, name in sizes.items())
+        raise PerSampleHooksError(
+            f"{caller}: captured calls disagree on the batch size: {seen}. Call "
+            "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
+            "is not dimension 0. A module called without the batch dim whose output is "
+            "broadcast over the batch (position ids `pos_emb(torch.arange(T))`) mixes the "
+            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`")
+    batch_size = next(iter(sizes))
+    scale = float(batch_size) if loss_type == "mean" else 1.0
+    state.consumed = True
+    return state, Step(layers, batch_size, scale)
+
+
+FORM_RATIO = 2
+"""``form_on_arrival`` forms a call's per-sample gradients when its captured input and output
+gradient hold at least this many times as many numbers. Measured on the T=256 token model: a
+ratio of 1, which also forms its Linear layers (per-sample gradients 0.8x their pair), gave the
+same peak memory (1.16x against 1.15x a plain step) and time within noise; 2 leaves more layers
+with their records, so more of them serve ``compute_kfac``."""
+
+
+@torch.no_grad()
+def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
+    """Form ``call``'s per-sample gradients now, as captured, into step-scoped buffers, and drop
+    its input and output gradient, when those hold :data:`FORM_RATIO` times as many numbers
+    (LayerNorm; Linear and convolutions on many positions): set as
+    :attr:`HookState.on_gradient` during a backward that only clipping or norms will read.
+
+    Only the plain case is formed: the module's only call of the step, one output, its first
+    backward pass, inputs unchanged, not a unit (the torch.func fallback, attention); anything
+    else keeps its record and is handled as usual."""
+    if (call.per_sample is not None or len(call.grads) != 1 or len(call.grads[0]) != 1
+            or module in state.units or len(state.calls[module]) != 1
+            or call.modified_inputs()):
+        return
+    params = owned_parameters(state, module)
+    rule = state.rules[module]
+    held = call.grads[0][0].numel() + sum(a.numel() for a in call.args if isinstance(a, Tensor))
+    batch = rule.batch_size(module, call)
+    if not params or batch == 0 or \
+            FORM_RATIO * batch * sum(p.numel() for p in params.values()) > held:
+        return
+    name = state.modules[module][0]
+    try:
+        rule.check(module, [call], name)
+    except PerSampleHooksError:
+        return  # reported by prepare_step, with the record intact
+    dtype = parameter_dtype(module)
+    if dtype is not None and call.has_other_float_dtype(dtype):
+        call.cast_(dtype)
+    out = {n: state.buffer(module, f"formed {n}", batch, p, step_only=True)
+           for n, p in params.items()}
+    rule.grad1(module, [call], 1.0, out)
+    call.release()
+    call.per_sample = out
+
+
+def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = None,
+                      kept_scale: float = 1.0) -> None:
+    """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
+    checks: each layer's hooked sum is its rule's weighted sum with unit weights, or the sum
+    of the per-sample gradients in ``kept`` where it has all of the layer's (``kept_scale``
+    times them is as captured), compared with autograd's gradients. Raises before anything is
+    written."""
+    check = state.unseen
+    if check is None or not check.totals:
+        return
+    start = time.perf_counter()
+    hooked: dict[int, Tensor] = {}
+    users: dict[int, list[str]] = {}
+    for layer in step.layers:
+        out = {}
+        for n, p in layer.parameters.items():
+            users.setdefault(id(p), []).append(layer.name)
+            if id(p) in check.totals and layer.calls:
+                out[n] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        if not out:
+            continue
+        ones = out[next(iter(out))].new_ones(step.batch_size)
+        stored = {n: kept.get(layer.module, n) for n in out} if kept is not None else {}
+        if all(t is not None for t in stored.values()) and stored:
+            for n, target in out.items():
+                contract_samples(target, stored[n], ones * kept_scale)
+        else:
+            layer.rule.weighted_sum(layer.module, layer.calls, ones, out, keep=kept)
+        for n, value in out.items():
+            key = id(layer.parameters[n])
+            hooked[key] = value if key not in hooked else hooked[key].add_(value)
+    check.verify(hooked, users, time.perf_counter() - start)
+
+
+def parameter_names(model: nn.Module, step: Step, caller: str
+                     ) -> dict[int, dict[str, str]]:
+    """Qualified parameter name (as in ``model.named_parameters()``) for each layer's
+    trainable parameters; a parameter shared by two hooked modules is refused."""
+    qualified = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    seen: dict[int, str] = {}
+    names = {}
+    for layer in step.layers:
+        names[id(layer)] = {}
+        for local, p in layer.parameters.items():
+            if id(p) in seen:
+                raise PerSampleHooksError(
+                    f"{caller}: parameter '{local}' of '{layer.name}' is also a parameter of "
+                    f"'{seen[id(p)]}' (tied weights across modules); per-sample norms would miss "
+                    "the cross terms between the two modules. Untie the weights or use "
+                    "compute_grad1 and sum the two modules' grad1 yourself")
+            seen[id(p)] = layer.name
+            names[id(layer)][local] = qualified.get(id(p), f"{layer.name}.{local}")
+    return names
+
+
+__all__ = ["LayerWork", "Step", "LossType", "prepare_step", "check_unseen_uses",
+           "form_on_arrival", "parameter_names", "owned_parameters", "trainable_parameters",
+           "FORM_RATIO"]
