@@ -288,14 +288,35 @@ class Affine(nn.Module):
 
 @psh.register_rule(Affine)
 class AffineRule(psh.Rule):
-    """The README's worked example: per-sample gradients of Affine."""
+    """The README's worked example: Affine's per-sample gradients as forms."""
 
-    def grad1(self, module, calls, scale, out):
-        for i, call in enumerate(calls):
+    def forms(self, module, calls, names):
+        result = {name: [] for name in names}              # only trainable parameters
+        for call in calls:                                 # one form per call, summed
             x, g = call.activation(), call.backprop()      # [B, ..., d], batch first
             x, g = x.reshape(len(x), -1, x.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
+            forms = {"scale": psh.Dense((g * x).sum(1)),   # [B, d]
+                     "shift": psh.Outer(g.unsqueeze(1))}   # sum over positions of g
+            for name in names:
+                result[name].append(forms[name])
+        return result
+
+
+class AffineByGrad1(Affine):
+    """The same layer with a rule that writes per-sample gradients only (no forms)."""
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+@psh.register_rule(AffineByGrad1)
+class AffineGrad1Rule(psh.Rule):
+    def grad1(self, module, calls, scale, out):
+        for i, call in enumerate(calls):
+            x, g = call.activation(), call.backprop()
+            x, g = x.reshape(len(x), -1, x.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
             parts = {"scale": (g * x).sum(1), "shift": g.sum(1)}
-            for name, buf in out.items():                  # only trainable parameters
+            for name, buf in out.items():
                 if i == 0:
                     torch.mul(parts[name], scale, out=buf)  # the first call writes
                 else:
@@ -303,21 +324,27 @@ class AffineRule(psh.Rule):
 
 
 class UsesAffineTwice(nn.Module):
-    def __init__(self):
+    def __init__(self, layer=Affine):
         super().__init__()
-        self.affine = Affine(4)
+        self.affine = layer(4)
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x):
         return self.affine(torch.tanh(self.lin(self.affine(x))))
 
 
+@pytest.mark.parametrize("layer", [Affine, AffineByGrad1])
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("shape", [(6, 4), (5, 3, 4)])
-def test_register_rule_worked_example(loss_type, shape):
+def test_register_rule_worked_example(layer, loss_type, shape):
+    """A user rule's forms (or its grad1 alone) give grad1, norms and clipping."""
+    from norms_truth import assert_clipping_matches, assert_norms_match
     torch.manual_seed(0)
-    assert psh.is_supported(Affine(3))
-    assert_matches_loop(UsesAffineTwice(), [torch.randn(*shape)], loss_type=loss_type)
+    assert psh.is_supported(layer(3))
+    x = torch.randn(*shape)
+    assert_matches_loop(UsesAffineTwice(layer), [x], loss_type=loss_type)
+    assert_norms_match(UsesAffineTwice(layer), [x], loss_type=loss_type)
+    assert_clipping_matches(UsesAffineTwice(layer), [x], 0.3, loss_type=loss_type)
 
 
 def test_register_rule_frozen_parameter():
