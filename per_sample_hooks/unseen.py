@@ -115,14 +115,14 @@ def _average(old: float | None, new: float) -> float:
 
 
 def captured_structure(state: HookState) -> tuple:
-    """Which hooked modules were called this step, how many times, with which batch sizes."""
+    """Which hooked modules were called this step (in the order of ``state.calls``), how many
+    times, with which batch sizes."""
     def size(call: Call) -> int:
         try:
             return call.batch_size
         except PerSampleHooksError:
             return -1
-    return tuple((name, tuple(size(c) for c in calls)) for _, name, calls in state.hooked_calls()
-                 if calls)
+    return tuple(tuple(size(c) for c in calls) for calls in state.calls.values())
 
 
 class UnseenUseCheck:
@@ -161,7 +161,7 @@ class UnseenUseCheck:
         totals, scales = self.totals, self.pass_scales
 
         def hook(grad: Tensor) -> None:
-            if not self._state.enabled or not self.due():
+            if self.decision is False or not self._state.enabled or not self.due():
                 return
             # a copy: autograd may change the tensor in place later (DDP all-reduces it in its
             # bucket); dense: Embedding(sparse=True) is compared with a dense hooked sum
