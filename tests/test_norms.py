@@ -12,7 +12,8 @@ from torch import nn
 import per_sample_hooks as psh
 from ground_truth import sum_of_outputs
 from per_sample_hooks.rules import conv as conv_rule
-from per_sample_hooks.rules import ghost
+from per_sample_hooks.rules import forms, ghost
+from per_sample_hooks.rules.embedding import token_rows
 
 METHODS = ["outer", "ghost", "materialize"]
 
@@ -285,7 +286,7 @@ def test_seed_001_cnn():
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 4), t=st.integers(1, 6), vocab=st.integers(1, 5),
        d=st.integers(1, 4), padding=st.booleans())
-def test_embedding_norms_and_weighted_sum_against_dense(batch, t, vocab, d, padding):
+def test_embedding_rows_norms_and_weighted_sum_against_dense(batch, t, vocab, d, padding):
     torch.manual_seed(2)
     tokens = torch.randint(vocab, (batch, t))
     grads = torch.randn(batch, t, d, dtype=torch.double)
@@ -294,9 +295,10 @@ def test_embedding_norms_and_weighted_sum_against_dense(batch, t, vocab, d, padd
     if padding:
         one_hot[..., 0] = 0
     dense = torch.einsum("btv,btd->bvd", one_hot, grads)  # per-sample table gradients
-    got = ghost.embedding_norms_squared(tokens, grads, vocab, padding_idx)
+    rows = [token_rows(tokens, grads, padding_idx, vocab)]  # the Embedding rule's form
+    got = forms.norms_squared(rows, batch)
     torch.testing.assert_close(got, dense.flatten(1).pow(2).sum(1), rtol=1e-10, atol=1e-12)
     weights = torch.rand(batch, dtype=torch.double)
     out = torch.full((vocab, d), float("nan"), dtype=torch.double)
-    ghost.weighted_embedding_sum(out, tokens, grads, weights, padding_idx)
+    forms.weighted_sum(out, rows, weights)
     torch.testing.assert_close(out, torch.einsum("b,bvd->vd", weights, dense))

@@ -166,39 +166,3 @@ def weighted_bias_sum(out: Tensor, grads: Tensor, weights: Tensor,
     target = out.view(-1)
     torch.addmv(target, summed.reshape(batch, -1).t(), weights.to(grads.dtype),
                 beta=1 if accumulate else 0, out=target)
-
-
-def embedding_norms_squared(tokens: Tensor, grads: Tensor, num_embeddings: int,
-                            padding_idx: int | None = None) -> Tensor:
-    """``[B]``: squared norm of each sample's embedding-table gradient (unscaled).
-
-    ``tokens [B, T]`` (all calls' positions joined), ``grads [B, T, d]``. Only rows a sample's
-    tokens hit are non-zero: the output gradients of equal (sample, token) pairs are summed
-    with one ``index_add`` into ``[#distinct pairs, d]``, O(B T d); no ``[B, V, d]`` tensor.
-    """
-    batch, positions = tokens.shape
-    keys = tokens + num_embeddings * torch.arange(batch, device=tokens.device).unsqueeze(1)
-    flat_grads = grads.reshape(batch * positions, -1)
-    keys = keys.reshape(-1)
-    if padding_idx is not None:
-        hit = tokens.reshape(-1) != padding_idx
-        keys, flat_grads = keys[hit], flat_grads[hit]
-    distinct, pair = torch.unique(keys, return_inverse=True)
-    rows = flat_grads.new_zeros(len(distinct), flat_grads.shape[1]).index_add_(0, pair, flat_grads)
-    result = flat_grads.new_zeros(batch)
-    return result.index_add_(0, distinct // num_embeddings, _sum_of_squares_last(rows))
-
-
-def weighted_embedding_sum(out: Tensor, tokens: Tensor, grads: Tensor, weights: Tensor,
-                           padding_idx: int | None = None, accumulate: bool = False) -> None:
-    """``out [V, d] (+)= sum_b weights[b] * (sample b's embedding gradient)``: one ``index_add``
-    of the weighted output gradients ``grads [B, T, d]`` at ``tokens [B, T]``."""
-    batch, positions = tokens.shape
-    weighted = (grads * weights.to(grads.dtype).view(batch, 1, 1)).reshape(batch * positions, -1)
-    flat_tokens = tokens.reshape(-1)
-    if padding_idx is not None:
-        hit = flat_tokens != padding_idx
-        flat_tokens, weighted = flat_tokens[hit], weighted[hit]
-    if not accumulate:
-        out.zero_()
-    out.index_add_(0, flat_tokens, weighted)
