@@ -20,6 +20,7 @@ from .rules import Rule
 from .rules.base import KeptGrads, contract_samples
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
+from .unseen import HookedSums
 
 LossType = Literal["mean", "sum"]
 
@@ -193,13 +194,13 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
     checks: each layer's hooked sum is its rule's weighted sum with unit weights, or the sum
     of the per-sample gradients in ``kept`` where it has all of the layer's (``kept_scale``
-    times them is as captured), compared with autograd's gradients. Raises before anything is
-    written."""
+    times them is as captured), projected and dropped layer by layer, then compared with
+    autograd's gradients. Raises before anything is written."""
     check = state.unseen
     if check is None or not check.totals:
         return
     start = time.perf_counter()
-    hooked: dict[int, Tensor] = {}
+    hooked = HookedSums(check)
     users: dict[int, list[str]] = {}
     for layer in step.layers:
         out = {}
@@ -217,8 +218,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
         else:
             layer.rule.weighted_sum(layer.module, layer.calls, ones, out, keep=kept)
         for n, value in out.items():
-            key = id(layer.parameters[n])
-            hooked[key] = value if key not in hooked else hooked[key].add_(value)
+            hooked.add(layer.parameters[n], value)
     check.verify(hooked, users, time.perf_counter() - start)
 
 

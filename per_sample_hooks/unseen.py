@@ -3,32 +3,34 @@
 Hooks see a parameter only inside the forward of the module that owns it. A use elsewhere (a
 tied output layer ``h @ emb.weight.t()``, ``F.linear(x, layer.weight)``) adds a term to
 ``p.grad`` that per-sample quantities from hooks would silently miss. On a *checked* step the
-check compares, for every hooked parameter ``p``:
+check compares, for every hooked parameter ``p``, random projections (``u_k^T g v_k`` for
+:data:`N_PROBES` Gaussian probes drawn per step, ``p`` seen as a matrix) of:
 
 - the *total*: the gradient autograd hands ``p`` in each backward pass of the step (a tensor
   hook on the parameter, so gradients the user did not zero do not matter), summed over passes;
 - the *hooked* sum: the sum over samples of ``p``'s per-sample contributions, computed by the
   rules through the code that computes every other quantity (the weighted sum with unit
   weights, or the per-sample gradients already written), summed over the modules that own
-  ``p``.
+  ``p``, projected module by module (nothing the size of a gradient is held).
 
 **The rounding bound** (:func:`relative_tolerance`, applied in :meth:`UnseenUseCheck.verify`).
 Both sides sum the same terms in a different order and decomposition (autograd's batched
 backward against the rules' products), so in exact arithmetic they are equal, and in floating
-point ``|total - hooked| <= c * eps * sum |terms|``. The norms of the two sides stand in for
-``sum |terms|`` (``size = |total| + |hooked|``, and for a gradient that came in several
-backward passes the sum of each pass's norm, since passes can cancel: ``backprop_hess``
-through a normalization sums to rounding). A missing term shows up as a gap of its own size,
-far above rounding: the threshold is ``1e-6 * size`` in float64 and ``0.1 * size`` in float32
-(a badly scaled float32 model has shown gaps of 5% with no missing term), so a term smaller
-than that fraction of the gradient may go unreported. Where ``size`` itself is rounding (a
-gradient that cancels exactly, e.g. a shift before a normalization; a saturated softmax whose
-float32 backward leaves ``eps |dO| |V|`` in a gradient that is zero in exact arithmetic), the
-norms underestimate ``sum |terms|``: a parameter over the threshold is therefore confirmed
-before anything is raised (:meth:`UnseenUseCheck.rounding_explains`), by recomputing its users'
-contributions from their captured calls with plain autograd in the parameter's dtype and in
-float64 (hooks paused): float64 gives the exact total of the seen uses, and the rounding on both
-sides is measured rather than bounded.
+point ``|total - hooked| <= c * eps * sum |terms|``. A projection on standard normal probes has
+the size of the Frobenius norm (``E (u^T E v)^2 = |E|^2``), so the norms of the two sides stand
+in for ``sum |terms|`` (``size = |total| + |hooked|``, the total's norm summed over passes, since
+passes can cancel: ``backprop_hess`` through a normalization sums to rounding). A missing term
+shows up as a gap of its own size, far above rounding: the threshold is ``1e-6 * size`` in
+float64 and ``0.1 * size`` in float32 (a badly scaled float32 model has shown gaps of 5% with no
+missing term), so a term smaller than that fraction of the gradient may go unreported, and one
+of the gradient's size escapes all probes with a chance of about ``1e-5``. Where ``size`` itself
+is rounding (a gradient that cancels exactly, e.g. a shift before a normalization; a saturated
+softmax whose float32 backward leaves ``eps |dO| |V|`` in a gradient that is zero in exact
+arithmetic), the norms underestimate ``sum |terms|``: a parameter over the threshold is
+therefore confirmed before anything is raised (:meth:`UnseenUseCheck.rounding_explains`), by
+recomputing its users' contributions from their captured calls with plain autograd in the
+parameter's dtype and in float64 (hooks paused): float64 gives the exact total of the seen uses,
+and the rounding on both sides is measured rather than bounded.
 
 **When it runs** (:class:`Schedule`). Comparing costs a weighted sum per layer (about the
 weight-gradient part of a backward) and, for consumers that skip parameter gradients
@@ -126,19 +128,24 @@ def captured_structure(state: HookState) -> tuple:
 
 
 class UnseenUseCheck:
-    """Per-step totals of autograd's gradient of each hooked parameter, on checked steps.
-    Tables are keyed by ``id(parameter)`` (hashing a tensor is a Python call)."""
+    """On checked steps: random projections (:data:`N_PROBES` rank-1 probes ``u v^T``, ``p``
+    seen as a matrix, drawn per step) and norms of autograd's gradient of each hooked
+    parameter, summed over the step's backward passes; nothing is held for other steps and no
+    gradient is copied (a step holds ``N_PROBES`` numbers per parameter). Tables are keyed by
+    ``id(parameter)`` (hashing a tensor is a Python call)."""
 
     def __init__(self, state: HookState, owners: Mapping[nn.Parameter, str],
-                 mode: Literal["sampled", "always"] = "sampled"):
+                 mode: Literal["sampled", "always"] = "sampled", seed: int = 0):
         self.owners = {id(p): name for p, name in owners.items()}  # -> qualified name
         self.params = {id(p): p for p in owners}
-        self.schedule = Schedule(mode)
+        self.schedule = Schedule(mode, seed)
+        self.generator = torch.Generator().manual_seed(seed)
         self.decision: bool | None = None  # this step is checked (decided on first ask)
-        self.totals: dict[int, Tensor] = {}
-        # sum of each pass's norm, for a parameter whose gradient came in several backward
-        # passes: the size its rounding is relative to when the passes cancel
-        self.pass_scales: dict[int, Tensor] = {}
+        self.totals: dict[int, Tensor] = {}  # [N_PROBES] projections, summed over passes
+        # sum over passes of the gradient's norm: the size rounding is relative to (passes can
+        # cancel, e.g. backprop_hess through a normalization)
+        self.sizes: dict[int, Tensor] = {}
+        self.probes: dict[int, Probe] = {}
         self._state = state
         for p in owners:
             state.handles.append(p.register_hook(self._total_hook(id(p))))
@@ -147,7 +154,8 @@ class UnseenUseCheck:
     def reset(self) -> None:
         self.decision = None
         self.totals.clear()
-        self.pass_scales.clear()
+        self.sizes.clear()
+        self.probes.clear()
 
     def due(self) -> bool:
         """Whether this step is checked (asked after the forward: the structure is known;
@@ -157,58 +165,59 @@ class UnseenUseCheck:
             self.decision = self.schedule.due(captured_structure(self._state))
         return self.decision
 
+    def probe(self, p: Tensor) -> Probe:
+        """This step's probes for ``p`` (drawn on first use, in ``p``'s dtype and device)."""
+        probe = self.probes.get(id(p))
+        if probe is None:
+            n0, n1 = matrix_shape(p.shape)
+            probe = tuple(torch.randn(N_PROBES, n, generator=self.generator,
+                                      dtype=torch.float64).to(p.dtype).to(p.device)
+                          for n in (n0, n1))
+            self.probes[id(p)] = probe
+        return probe
+
     def _total_hook(self, key: int) -> Callable[[Tensor], None]:
-        totals, scales = self.totals, self.pass_scales
+        totals, sizes, param = self.totals, self.sizes, self.params[key]
 
         def hook(grad: Tensor) -> None:
             if self.decision is False or not self._state.enabled or not self.due():
                 return
-            # a copy: autograd may change the tensor in place later (DDP all-reduces it in its
-            # bucket); dense: Embedding(sparse=True) is compared with a dense hooked sum
             grad = grad.detach()
-            grad = grad.to_dense() if grad.is_sparse else grad.clone()
-            total = totals.get(key)
-            if total is None:
-                totals[key] = grad
-                return
-            if key not in scales:
-                scales[key] = _norm(total)
-            scales[key] = scales[key] + _norm(grad)
-            totals[key] = total + grad
+            if grad.is_sparse:  # Embedding(sparse=True)
+                grad = grad.to_dense()
+            value, size = project(grad, self.probe(param)), _norm(grad)
+            if key in totals:
+                value, size = value + totals[key], size + sizes[key]
+            totals[key], sizes[key] = value, size
         return hook
 
-    def verify(self, hooked: Mapping[int, Tensor], users: Mapping[int, Sequence[str]],
+    def verify(self, hooked: HookedSums, users: Mapping[int, Sequence[str]],
                seconds: float = 0.0) -> None:
         """Raise if a parameter's total differs from its hooked sum beyond rounding.
 
-        ``hooked[id(p)]``: the sum over samples of ``p``'s contributions (absent: none hooked),
-        summed over the modules that own ``p``, whose names are ``users[id(p)]``.
+        ``hooked``: the projections and norms of the sum over samples of each parameter's
+        contributions, summed over the modules that own it, whose names are ``users[id(p)]``.
         ``seconds``: what computing ``hooked`` took (the schedule's measure of the cost).
-        The norms of every parameter are compared in one batch; failures are confirmed one by
-        one (:meth:`rounding_explains`)."""
+        Every parameter is compared in one batch; failures are confirmed one by one
+        (:meth:`rounding_explains`)."""
         if not self.totals:  # nothing to compare (no parameter gradient): stays due
             return
         start = time.perf_counter()
         keys = list(self.totals)
-        gaps, sizes = [], []
-        for key in keys:
-            total = self.totals[key]
-            value = hooked.get(key)
-            gaps.append(_norm(total if value is None else total - value.to(total.dtype)))
-            size = self.pass_scales.get(key, _norm(total))
-            sizes.append(size if value is None else size + _norm(value))
-        gaps_t = torch.stack([g.double().cpu() for g in gaps])
-        sizes_t = torch.stack([s.double().cpu() for s in sizes])
-        bounds = torch.tensor([relative_tolerance(self.totals[k].dtype) for k in keys],
-                              dtype=torch.float64) * sizes_t + torch.finfo(torch.float32).tiny
-        for i in (gaps_t > bounds).nonzero().flatten().tolist():
+        totals = torch.stack([self.totals[k].double().cpu() for k in keys])
+        values = torch.stack([hooked.projections[k].double().cpu() if k in hooked.projections
+                              else torch.zeros(N_PROBES, dtype=torch.float64) for k in keys])
+        sizes = torch.stack([(self.sizes[k] + hooked.norms[k] if k in hooked.norms
+                              else self.sizes[k]).double().cpu() for k in keys])
+        tolerances = torch.tensor([relative_tolerance(self.totals[k].dtype) for k in keys],
+                                  dtype=torch.float64)
+        gaps = (totals - values).abs()
+        bounds = (tolerances * sizes + torch.finfo(torch.float32).tiny).unsqueeze(1)
+        for i in (gaps > bounds).any(1).nonzero().flatten().tolist():
             key = keys[i]
-            value = hooked.get(key)
-            if value is None:
-                value = torch.zeros_like(self.totals[key])
-            if not self.rounding_explains(self.params[key], self.totals[key], value,
+            if not self.rounding_explains(self.params[key], totals[i], values[i],
                                           float(bounds[i]), users.get(key, ())):
-                fraction = float(gaps_t[i] / sizes_t[i].clamp_min(1e-300))
+                fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
                 raise_unseen(self.owners[key], users.get(key, ()), fraction)
         self.schedule.checked_one(captured_structure(self._state),
                                   seconds + time.perf_counter() - start)
@@ -221,14 +230,15 @@ class UnseenUseCheck:
         calls (their own forward, one vector-Jacobian product per backward pass) in ``p``'s
         dtype and in float64. Float64 gives the exact total of the seen uses; the difference
         of the two measures the rounding of the original backward (the same computation, so the
-        same rounding; ``3x`` covers kernels that do not round the same way twice). The rules'
-        sum ``hooked`` is a second witness of rounding: it sees the same uses as the
-        recomputation, summed in another order, so ``|hooked - exact|`` is rounding alone. A
-        missing term stays in ``total - exact`` in full, so it is reported when it exceeds the
-        threshold plus that rounding. Anything that prevents the recomputation (no float64 on
-        the device, a forward that cannot be re-run) leaves the check's answer."""
+        same rounding; ``3x``, and its norm, cover kernels that do not round the same way
+        twice). The rules' sum (``hooked``, projected) is a second witness of rounding: it sees
+        the same uses as the recomputation, summed in another order, so its gap to the exact
+        total is rounding alone. A missing term stays in ``total - exact`` in full, so it is
+        reported when it exceeds the threshold plus that rounding. Anything that prevents the
+        recomputation (no float64 on the device, a forward that cannot be re-run) leaves the
+        check's answer."""
         by_name = {name: module for module, (name, _) in self._state.modules.items()}
-        exact = torch.zeros_like(total, dtype=torch.float64)
+        exact = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
         seen = torch.zeros_like(exact)
         try:
             for user in users:
@@ -245,8 +255,50 @@ class UnseenUseCheck:
                     recompute_gradient(self._state, module, calls, local, p.dtype).double()
         except Exception:  # noqa: BLE001 - any failure: the check's answer stands
             return False
-        rounding = 3 * (seen - exact).norm() + 10 * (hooked.double() - exact).norm()
-        return float((total.double() - exact).norm()) <= bound + float(rounding)
+        probe = tuple(t.double() for t in self.probe(p))
+        exact_projection = project(exact, probe).cpu()
+        error = seen - exact
+        rounding = 3 * (project(error, probe).cpu().abs() + _norm(error).cpu()) \
+            + 10 * (hooked - exact_projection).abs()
+        return bool(((total - exact_projection).abs() <= bound + rounding).all())
+
+
+class HookedSums:
+    """The hooked side of a check: for each parameter (keyed by ``id``), the projections and
+    the norm of the sum over samples of its contributions, added module by module (so that no
+    module's sum is held after it is projected)."""
+
+    def __init__(self, check: UnseenUseCheck):
+        self.check = check
+        self.projections: dict[int, Tensor] = {}
+        self.norms: dict[int, Tensor] = {}
+
+    def add(self, p: Tensor, summed: Tensor) -> None:
+        key = id(p)
+        value, size = project(summed, self.check.probe(p)), _norm(summed)
+        if key in self.projections:
+            value, size = value + self.projections[key], size + self.norms[key]
+        self.projections[key], self.norms[key] = value, size
+
+
+N_PROBES = 8
+"""Probes per parameter: a missing term of relative size ``r`` escapes one probe with the
+chance that a standard normal is below about ``0.1 (2 + r) / r`` (float32's threshold), all
+eight together with about ``0.24^8 = 1e-5`` for ``r = 1``."""
+
+Probe = tuple[Tensor, Tensor]  # u [N_PROBES, n0], v [N_PROBES, n1]
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """``p`` seen as ``[n0, n1]``: first dim by the rest (a scalar as ``[1, 1]``)."""
+    n0 = shape[0] if len(shape) else 1
+    return n0, (shape.numel() // n0 if n0 else 0)
+
+
+def project(t: Tensor, probe: Probe) -> Tensor:
+    """``u_k^T t v_k`` for each probe ``k`` (``t`` seen as ``[n0, n1]``): ``[N_PROBES]``."""
+    u, v = probe
+    return torch.linalg.vecdot(u @ t.reshape(u.shape[1], v.shape[1]).to(u.dtype), v)
 
 
 def _norm(t: Tensor) -> Tensor:
@@ -316,5 +368,5 @@ def check_mode(check_unseen: CheckUnseen) -> Literal["sampled", "always"] | None
                      f"sampled steps), 'always' or False, got {check_unseen!r}")
 
 
-__all__ = ["UnseenUseCheck", "Schedule", "CheckUnseen", "check_mode", "relative_tolerance",
-           "CHECK_BUDGET"]
+__all__ = ["UnseenUseCheck", "HookedSums", "Schedule", "CheckUnseen", "check_mode",
+           "relative_tolerance", "CHECK_BUDGET", "N_PROBES"]
