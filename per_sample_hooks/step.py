@@ -197,7 +197,10 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     times them is as captured), projected and dropped layer by layer, then compared with
     autograd's gradients. Raises before anything is written."""
     check = state.unseen
-    if check is None or not check.totals:
+    if check is None:
+        return
+    check.schedule.step_measured()
+    if not check.totals:
         return
     start = time.perf_counter()
     hooked = HookedSums(check)

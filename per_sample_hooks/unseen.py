@@ -40,8 +40,9 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
 1. the first step, and every step whose captured structure (which modules were called, how many
    times, with which batch size) differs from every step checked so far;
 2. after that a random sample of steps, each step checked with probability
-   ``min(1, 0.02 * step time / check cost)`` (both measured, running averages), so that the
-   check costs at most about 2% of the training time.
+   ``min(1, 0.02 * step time / check cost)`` (both measured, running averages; the step time
+   is that of its backward, up to the ``compute_*`` call, an underestimate of a training
+   step), so that the check costs at most about 2% of the training time.
 
 It guarantees that every structure is checked before its per-sample quantities are returned. It
 does not guarantee that a use outside the modules that appears only on some steps of an
@@ -92,7 +93,7 @@ class Schedule:
         self.random = random.Random(seed)
         self.step_seconds: float | None = None
         self.check_seconds: float | None = None
-        self._last_start = time.perf_counter()  # add_hooks
+        self._started: float | None = None
 
     def due(self, structure: Hashable) -> bool:
         if self.mode == "always" or structure not in self.checked:
@@ -103,9 +104,18 @@ class Schedule:
         return self.random.random() < chance
 
     def step_started(self) -> None:
-        now = time.perf_counter()
-        self.step_seconds = _average(self.step_seconds, now - self._last_start)
-        self._last_start = now
+        """The step's first parameter gradient (or a consumer's question) arrived."""
+        self._started = time.perf_counter()
+
+    def step_measured(self) -> None:
+        """A ``compute_*`` call reads the step: the time since :meth:`step_started` is the
+        step's measure (its backward; the forward, the optimizer and anything else between
+        steps are not counted, so the checks cost less than ``budget`` of the training time,
+        also when steps of other models run in between, as in interleaved benchmarks)."""
+        if self._started is not None:
+            self.step_seconds = _average(self.step_seconds,
+                                         time.perf_counter() - self._started)
+            self._started = None
 
     def checked_one(self, structure: Hashable, seconds: float) -> None:
         self.checked.add(structure)
