@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
 from .errors import PerSampleHooksError
 from .rules import Rule
-from .rules.base import KeptGrads, contract_samples
+from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
+from .rules.forms import project_sum
 from .unseen import HookedSums
 
 LossType = Literal["mean", "sum"]
@@ -192,10 +193,11 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
 def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = None,
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
-    checks: each layer's hooked sum is its rule's weighted sum with unit weights, or the sum
-    of the per-sample gradients in ``kept`` where it has all of the layer's (``kept_scale``
-    times them is as captured), projected and dropped layer by layer, then compared with
-    autograd's gradients. Raises before anything is written."""
+    checks: each layer's hooked sum is projected from its rule's forms without being formed
+    (:func:`~.rules.forms.project_sum`), or, for a rule without forms, is the contraction of
+    the per-sample gradients in ``kept`` where it has all of the layer's (``kept_scale`` times
+    them is as captured) or its weighted sum with unit weights, projected and dropped layer by
+    layer; then compared with autograd's gradients. Raises before anything is written."""
     check = state.unseen
     if check is None:
         return
@@ -206,13 +208,19 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     hooked = HookedSums(check)
     users: dict[int, list[str]] = {}
     for layer in step.layers:
-        out = {}
+        wanted = {}
         for n, p in layer.parameters.items():
             users.setdefault(id(p), []).append(layer.name)
             if id(p) in check.totals and layer.calls:
-                out[n] = torch.empty_like(p, memory_format=torch.contiguous_format)
-        if not out:
+                wanted[n] = p
+        if not wanted:
             continue
+        if describes_forms(layer.rule):
+            for n, parts in layer.rule.forms(layer.module, layer.calls, list(wanted)).items():
+                hooked.add_projection(wanted[n], project_sum(parts, check.probe(wanted[n])))
+            continue
+        out = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
+               for n, p in wanted.items()}
         ones = out[next(iter(out))].new_ones(step.batch_size)
         stored = {n: kept.get(layer.module, n) for n in out} if kept is not None else {}
         if all(t is not None for t in stored.values()) and stored:
@@ -221,7 +229,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
         else:
             layer.rule.weighted_sum(layer.module, layer.calls, ones, out, keep=kept)
         for n, value in out.items():
-            hooked.add(layer.parameters[n], value)
+            hooked.add(wanted[n], value)
     check.verify(hooked, users, time.perf_counter() - start)
 
 

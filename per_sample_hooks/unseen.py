@@ -274,9 +274,9 @@ class UnseenUseCheck:
 
 
 class HookedSums:
-    """The hooked side of a check: for each parameter (keyed by ``id``), the projections and
-    the norm of the sum over samples of its contributions, added module by module (so that no
-    module's sum is held after it is projected)."""
+    """The hooked side of a check: for each parameter (keyed by ``id``), the projections of
+    the sum over samples of its contributions and, where that sum was formed, its norm; added
+    module by module (no module's sum is held after it is projected)."""
 
     def __init__(self, check: UnseenUseCheck):
         self.check = check
@@ -284,11 +284,16 @@ class HookedSums:
         self.norms: dict[int, Tensor] = {}
 
     def add(self, p: Tensor, summed: Tensor) -> None:
+        """A module's formed sum ``summed`` (``p.shape``)."""
+        self.add_projection(p, project(summed, self.check.probe(p)))
+        size = _norm(summed)
+        self.norms[id(p)] = size + self.norms[id(p)] if id(p) in self.norms else size
+
+    def add_projection(self, p: Tensor, value: Tensor) -> None:
+        """A module's sum, projected on ``self.check.probe(p)`` (``[N_PROBES]``)."""
         key = id(p)
-        value, size = project(summed, self.check.probe(p)), _norm(summed)
-        if key in self.projections:
-            value, size = value + self.projections[key], size + self.norms[key]
-        self.projections[key], self.norms[key] = value, size
+        self.projections[key] = value + self.projections[key] if key in self.projections \
+            else value
 
 
 N_PROBES = 8

@@ -24,7 +24,8 @@ def dense_of(form, batch):
 
 @st.composite
 def form_lists(draw):
-    """A parameter's forms: ``batch``, ``[forms]``, the per-sample size ``n``."""
+    """A parameter's forms: ``batch``, ``[forms]``, the per-sample size ``n``, and its first
+    dim ``n0`` (the parameter is ``[n0, n / n0]``: ``[groups * p, d]``, a bias ``[groups * p]``)."""
     batch = draw(st.integers(1, 4))
     g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
     kinds = draw(st.lists(st.sampled_from(["outer", "bias", "rows", "dense"]), min_size=1,
@@ -51,13 +52,13 @@ def form_lists(draw):
                                n // width))
         else:
             result.append(Dense(torch.randn(batch, n, generator=g, dtype=torch.double)))
-    return batch, result, n
+    return batch, result, n, groups * p
 
 
 @settings(max_examples=150, deadline=None)
 @given(case=form_lists(), scale=st.sampled_from([1.0, 0.5, 3.0]))
 def test_forms_against_their_dense_gradients(case, scale):
-    batch, parts, n = case
+    batch, parts, n, n0 = case
     expected = sum(dense_of(f, batch) for f in parts)
     out = torch.full((batch, n), float("nan"), dtype=torch.double)
     forms.write(out, parts, scale)
@@ -67,3 +68,28 @@ def test_forms_against_their_dense_gradients(case, scale):
     total = torch.full((n,), float("nan"), dtype=torch.double)
     forms.weighted_sum(total, parts, weights)
     torch.testing.assert_close(total, weights @ expected)
+    u = torch.randn(3, n0, dtype=torch.double)
+    v = torch.randn(3, n // n0, dtype=torch.double)
+    torch.testing.assert_close(forms.project_sum(parts, (u, v)),
+                               torch.einsum("kn,nd,kd->k", u, expected.sum(0).view(n0, -1), v))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), groups=st.integers(1, 2), positions=st.integers(1, 3),
+       p=st.integers(1, 3), d=st.integers(1, 3), seed=st.integers(0, 100))
+def test_projection_of_a_matrix_parameter(batch, groups, positions, p, d, seed):
+    """An outer product (and the same gradient as rows [groups * p, d] and dense), projected
+    on probes of the parameter seen as [groups * p, d]."""
+    g = torch.Generator().manual_seed(seed)
+    outer = Outer(torch.randn(batch, groups, positions, p, generator=g, dtype=torch.double),
+                  torch.randn(batch, groups, positions, d, generator=g, dtype=torch.double))
+    dense = dense_of(outer, batch)
+    samples, cells = torch.meshgrid(torch.arange(batch), torch.arange(groups * p), indexing="ij")
+    rows = Rows(samples.flatten(), cells.flatten(), dense.view(batch * groups * p, d),
+                groups * p)
+    u = torch.randn(4, groups * p, generator=g, dtype=torch.double)
+    v = torch.randn(4, d, generator=g, dtype=torch.double)
+    expected = torch.einsum("kn,nd,kd->k", u, dense.sum(0).view(groups * p, d), v)
+    for form in (outer, rows, Dense(dense)):
+        torch.testing.assert_close(forms.project_sum([form], (u, v)), expected)
+

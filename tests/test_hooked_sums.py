@@ -1,6 +1,7 @@
-"""The hooked sum the unseen-use check compares (each rule's weighted sum with unit weights)
-equals autograd's own gradient (float64, tight), and every compute_* function refuses a
-parameter used outside its module."""
+"""The hooked sum the unseen-use check compares (each rule's weighted sum with unit weights,
+and for rules with forms the projection of the sum of their forms) equals autograd's own
+gradient (float64, tight), and every compute_* function refuses a parameter used outside its
+module."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import per_sample_hooks as psh
+from per_sample_hooks.rules.base import describes_forms
+from per_sample_hooks.rules.forms import project_sum
+from per_sample_hooks.unseen import matrix_shape, project
 
 
 def assert_hooked_sums_match_autograd(model, inputs, reuse=1):
@@ -32,6 +36,14 @@ def assert_hooked_sums_match_autograd(model, inputs, reuse=1):
             assert p.grad.abs().sum() > 0
             torch.testing.assert_close(out[n], p.grad, rtol=1e-10, atol=1e-12,
                                        msg=f"{name}.{n}")
+        rule = state.rules[module]
+        if describes_forms(rule):  # what the check compares for such rules: the projection
+            for n, parts in rule.forms(module, calls, list(params)).items():
+                probe = tuple(torch.randn(3, k, dtype=torch.double)
+                              for k in matrix_shape(params[n].shape))
+                torch.testing.assert_close(project_sum(parts, probe),
+                                           project(params[n].grad, probe), rtol=1e-10,
+                                           atol=1e-12, msg=f"{name}.{n} projected")
     psh.remove_hooks(model)
 
 

@@ -218,6 +218,11 @@ class Rule:
         return total.mul_(scale * scale)
 
 
+def describes_forms(rule: Rule) -> bool:
+    """Whether ``rule`` gives its forms itself (not by materializing its :meth:`Rule.grad1`)."""
+    return type(rule).forms is not Rule.forms
+
+
 def single_pass(call: Call, index: int) -> Call:
     """A view of ``call`` holding only backward pass ``index`` (nothing copied)."""
     view = Call.__new__(Call)

@@ -210,6 +210,34 @@ def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:
     return (batch, groups * p * (1 if form.acts is None else form.acts.shape[3]))
 
 
+# ----------------------------------------------------------------------------- projections
+
+def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
+    """``[k]``: ``u_k^T (sum_b g_b) v_k`` for ``probe = (u [k, n0], v [k, n1])``, the
+    parameter seen as ``[n0, n1]`` (its first dim by the rest), without forming the sum:
+    ``sum_{b,t} (G u)(A v)`` for an outer product, ``O(B T (p + d) k)`` (the unseen-use
+    check's hooked side)."""
+    u, v = probe
+    total = u.new_zeros(u.shape[0])
+    for form in forms:
+        if isinstance(form, Dense):
+            summed = form.per_sample.sum(0).reshape(u.shape[1], v.shape[1])
+            total += torch.linalg.vecdot(u @ summed.to(u.dtype), v)
+        elif isinstance(form, Rows):  # entry (row, j) is element row * w + j of the parameter
+            w = form.values.shape[1]
+            flat = (form.rows * w).unsqueeze(1) + torch.arange(w, device=form.rows.device)
+            first, second = flat // v.shape[1], flat % v.shape[1]
+            total += (u[:, first] * v[:, second] * form.values.to(u.dtype)).sum((1, 2))
+        else:
+            _, groups, _, p = form.grads.shape
+            left = torch.einsum("bjtp,kjp->kbjt", form.grads.to(u.dtype),
+                                u.view(-1, groups, p))
+            right = v[:, 0].view(-1, 1, 1, 1) if form.acts is None else \
+                torch.einsum("bjtd,kd->kbjt", form.acts.to(u.dtype), v)
+            total += (left * right).sum((1, 2, 3))
+    return total
+
+
 # ----------------------------------------------------------------------------- weighted sums
 
 def weighted_sum(out: Tensor, forms: Sequence[Form], weights: Tensor) -> None:
