@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+import per_sample_hooks as psh
+
 Method = Callable[[], object]
 
 
@@ -219,3 +221,14 @@ def peak_memory(spec: str, method: str, *, kwargs: Mapping | None = None, steps:
 
 if __name__ == "__main__":
     print(json.dumps(_child_main(*json.loads(sys.argv[1]))))
+
+
+def check_cost(default: Callable[[], None], results: dict) -> str:
+    """The default check's cost from counts, which medians of separate model copies cannot
+    resolve at 2%: checked steps of the default-policy model times what a checked step costs
+    more (``grad1 checked`` - ``grad1 no check``), over its steps times ``grad1 no check``."""
+    checks = psh.add_hooks(default.model).unseen.schedule.checks
+    extra = results["grad1 checked"].median - results["grad1 no check"].median
+    cost = checks * max(extra, 0.0) / (default.steps * results["grad1 no check"].median)
+    return (f"default check: {checks} of {default.steps} steps checked, a checked step "
+            f"{extra:+.2f} ms: {cost:.1%} of grad1's time")

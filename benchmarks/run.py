@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import per_sample_hooks as psh  # noqa: E402
-from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
+from benchmarks.harness import check_cost, compare, peak_memory, print_table  # noqa: E402
 
 
 class SimpleCNN(nn.Module):
@@ -112,6 +112,9 @@ def make_methods(model: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     def grad1_step() -> None:
         step(hooked)
         psh.compute_grad1(hooked, loss_type=loss_type)
+        grad1_step.steps += 1
+
+    grad1_step.model, grad1_step.steps = hooked, 0
 
     def unchecked_step() -> None:
         step(unchecked)
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra[method] = f"{report.extra_mib:>8.1f}"
         print()
         print_table(results, "plain", f"{title}", extra)
+        print("  " + check_cost(methods["grad1"], results))
         for goal, (model, method, reference, limit) in GOALS.items():
             if model in (None, name):
                 ratio = results[method].ratio_to(results[reference])

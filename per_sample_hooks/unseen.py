@@ -91,6 +91,7 @@ class Schedule:
         self.budget = budget
         self.checked: set[Hashable] = set()
         self.random = random.Random(seed)
+        self.checks = 0  # steps checked so far
         self.step_seconds: float | None = None
         self.check_seconds: float | None = None
         self._started: float | None = None
@@ -118,6 +119,7 @@ class Schedule:
             self._started = None
 
     def checked_one(self, structure: Hashable, seconds: float) -> None:
+        self.checks += 1
         self.checked.add(structure)
         self.check_seconds = _average(self.check_seconds, seconds)
 
@@ -156,6 +158,7 @@ class UnseenUseCheck:
         # cancel, e.g. backprop_hess through a normalization)
         self.sizes: dict[int, Tensor] = {}
         self.probes: dict[int, Probe] = {}
+        self.hook_seconds = 0.0  # this step's time in the hooks (part of the check's cost)
         self._state = state
         for p in owners:
             state.handles.append(p.register_hook(self._total_hook(id(p))))
@@ -166,6 +169,7 @@ class UnseenUseCheck:
         self.totals.clear()
         self.sizes.clear()
         self.probes.clear()
+        self.hook_seconds = 0.0
 
     def due(self) -> bool:
         """Whether this step is checked (asked after the forward: the structure is known;
@@ -192,6 +196,7 @@ class UnseenUseCheck:
         def hook(grad: Tensor) -> None:
             if self.decision is False or not self._state.enabled or not self.due():
                 return
+            start = time.perf_counter()
             grad = grad.detach()
             if grad.is_sparse:  # Embedding(sparse=True)
                 grad = grad.to_dense()
@@ -199,6 +204,7 @@ class UnseenUseCheck:
             if key in totals:
                 value, size = value + totals[key], size + sizes[key]
             totals[key], sizes[key] = value, size
+            self.hook_seconds += time.perf_counter() - start
         return hook
 
     def verify(self, hooked: HookedSums, users: Mapping[int, Sequence[str]],
@@ -230,7 +236,7 @@ class UnseenUseCheck:
                 fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
                 raise_unseen(self.owners[key], users.get(key, ()), fraction)
         self.schedule.checked_one(captured_structure(self._state),
-                                  seconds + time.perf_counter() - start)
+                                  seconds + self.hook_seconds + time.perf_counter() - start)
 
     def rounding_explains(self, p: nn.Parameter, total: Tensor, hooked: Tensor, bound: float,
                           users: Sequence[str]) -> bool:
