@@ -93,3 +93,37 @@ def test_projection_of_a_matrix_parameter(batch, groups, positions, p, d, seed):
     for form in (outer, rows, Dense(dense)):
         torch.testing.assert_close(forms.project_sum([form], (u, v)), expected)
 
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       lengths=st.lists(st.integers(1, 4), min_size=3, max_size=3), d=st.integers(1, 3),
+       calls=st.integers(1, 2), bias=st.booleans(), seed=st.integers(0, 100))
+def test_blocks_of_rows(batch, sizes, lengths, d, calls, bias, seed):
+    """Outer forms of disjoint row blocks (attention's query, key and value rows, each with
+    its own positions), from one or two calls, against the dense gradient."""
+    g = torch.Generator().manual_seed(seed)
+    n0 = sum(sizes)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    parts, expected = [], torch.zeros(batch, n0, 1 if bias else d, dtype=torch.double)
+    for _ in range(calls):
+        for (start, stop), length in zip(zip(bounds, bounds[1:]), lengths):
+            grads = torch.randn(batch, 1, length, stop - start, generator=g, dtype=torch.double)
+            acts = None if bias else torch.randn(batch, 1, length, d, generator=g,
+                                                 dtype=torch.double)
+            form = Outer(grads, acts, slice(start, stop))
+            parts.append(form)
+            expected[:, start:stop] += dense_of(form, batch).view(batch, stop - start, -1)
+    expected = expected.reshape(batch, -1)
+    out = torch.full_like(expected, float("nan"))
+    forms.write(out, parts, 2.0)
+    torch.testing.assert_close(out, 2 * expected)
+    torch.testing.assert_close(forms.norms_squared(parts, batch), expected.pow(2).sum(1))
+    weights = torch.rand(batch, generator=g, dtype=torch.double)
+    total = torch.full((expected.shape[1],), float("nan"), dtype=torch.double)
+    forms.weighted_sum(total, parts, weights)
+    torch.testing.assert_close(total, weights @ expected)
+    u = torch.randn(3, n0, generator=g, dtype=torch.double)
+    v = torch.randn(3, expected.shape[1] // n0, generator=g, dtype=torch.double)
+    torch.testing.assert_close(forms.project_sum(parts, (u, v)),
+                               torch.einsum("kn,nd,kd->k", u, expected.sum(0).view(n0, -1), v))

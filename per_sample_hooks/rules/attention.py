@@ -16,16 +16,16 @@ the attention weights, the rule
    ``dk_b^T key_b``, ``dv_b^T value_b``; ``bias_k`` / ``bias_v`` get the gradient of their
    appended position.
 
-Every parameter's per-sample gradient is thus a sum of :class:`Term` s, ``G_b^T A_b`` over
-positions written into a block of rows (the Linear form), from which grad1, norms, weighted
-sums and the unseen-use probes follow. The forward uses ``out_proj.weight`` without calling
+Every parameter's per-sample gradient is thus a sum of :class:`~.forms.Outer` forms,
+``G_b^T A_b`` over positions, some of them a block of rows, from which every quantity
+follows. The forward uses ``out_proj.weight`` without calling
 ``out_proj``, so the rule covers the children's parameters (``covers_children``).
 """
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,26 +33,12 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import KeptGrads, Rule, contract_samples, register_rule
-from .forms import add_outer_products, add_position_sums
-from .ghost import weighted_bias_sum, weighted_weight_sum
+from .base import Rule, register_rule
+from .forms import Form, Outer
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")
 """Parameters whose gradients need the backward through the attention."""
-
-
-@dataclass
-class Term:
-    """``grads_b^T acts_b`` summed over positions (``acts`` None: ``grads_b.sum(positions)``),
-    a contribution to rows ``rows`` (None: all) of parameter ``name`` seen as ``[p, d]``
-    (a bias ``[p]``; ``bias_k`` ``[1, 1, E]`` as ``[1, E]``).
-
-    ``grads [B, T, p]``, ``acts [B, T, d]``."""
-    name: str
-    rows: slice | None
-    grads: Tensor
-    acts: Tensor | None
 
 
 @dataclass
@@ -217,16 +203,19 @@ def probs_gradient(call: Call, inputs: Inputs, heads: int) -> Tensor | None:
     return (grad_weights / heads).unsqueeze(1)
 
 
-def call_terms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]) -> list[Term]:
-    """The :class:`Term` s of one call for the parameters in ``names`` (only the work they
-    need)."""
+def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
+               ) -> list[tuple[str, Outer]]:
+    """``(parameter name, form)`` of one call for the parameters in ``names`` (only the work
+    they need): outer products of the recomputed projections' gradients and inputs; the
+    unfused in-projection as three blocks (query, key, value rows); ``bias_k`` ``[1, 1, E]``
+    as ``[1, E]``."""
     grad_out = call.grads[0]
     grad_out = grad_out[0] if len(grad_out) == 1 else torch.stack(grad_out).sum(0)
     if not module.batch_first:
         grad_out = grad_out.transpose(0, 1)  # [B, L, E]
-    terms = []
+    terms: list[tuple[str, Outer]] = []
     if "out_proj.bias" in names:
-        terms.append(Term("out_proj.bias", None, grad_out, None))
+        terms.append(("out_proj.bias", outer(grad_out, None)))
     backward = any(n in names for n in IN_PROJ)
     if "out_proj.weight" not in names and not backward:
         return terms
@@ -244,7 +233,7 @@ def call_terms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]) 
     probs = torch.softmax(scores, -1)
     del scores
     if "out_proj.weight" in names:
-        terms.append(Term("out_proj.weight", None, grad_out, merge_heads(probs @ v)))
+        terms.append(("out_proj.weight", outer(grad_out, merge_heads(probs @ v))))
     if not backward:
         return terms
 
@@ -254,11 +243,11 @@ def call_terms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]) 
     del probs
     if module.bias_k is not None:
         if "bias_k" in names:
-            terms.append(Term("bias_k", None, grad_k.new_ones(batch, 1, 1),
-                              grad_k[:, :, source].reshape(batch, 1, embed)))
+            terms.append(("bias_k", outer(grad_k.new_ones(batch, 1, 1),
+                                          grad_k[:, :, source].reshape(batch, 1, embed))))
         if "bias_v" in names:
-            terms.append(Term("bias_v", None, grad_v.new_ones(batch, 1, 1),
-                              grad_v[:, :, source].reshape(batch, 1, embed)))
+            terms.append(("bias_v", outer(grad_v.new_ones(batch, 1, 1),
+                                          grad_v[:, :, source].reshape(batch, 1, embed))))
     grad_k, grad_v = grad_k[:, :, :source], grad_v[:, :, :source]
     blocks = [slice(0, embed), slice(embed, 2 * embed), slice(2 * embed, 3 * embed)]
     fused = inputs.self_attention and module._qkv_same_embed_dim
@@ -266,62 +255,25 @@ def call_terms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]) 
         # [3, B, H, L, hd] -> [B, L, 3 * E] in one copy: one product for the whole weight
         merged = torch.stack([grad_q, grad_k, grad_v]).permute(1, 3, 0, 2, 4).flatten(2)
         if "in_proj_weight" in names:
-            terms.append(Term("in_proj_weight", None, merged, inputs.query))
+            terms.append(("in_proj_weight", outer(merged, inputs.query)))
         if "in_proj_bias" in names:
-            terms.append(Term("in_proj_bias", None, merged, None))
+            terms.append(("in_proj_bias", outer(merged, None)))
         return terms
     grads = [merge_heads(g) for g in (grad_q, grad_k, grad_v)]
     acts = (inputs.query, inputs.key, inputs.value)
     if "in_proj_weight" in names:
-        terms += [Term("in_proj_weight", r, g, a) for r, g, a in zip(blocks, grads, acts)]
+        terms += [("in_proj_weight", outer(g, a, r)) for r, g, a in zip(blocks, grads, acts)]
     for name, grad, act in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), grads, acts):
         if name in names:
-            terms.append(Term(name, None, grad, act))
+            terms.append((name, outer(grad, act)))
     if "in_proj_bias" in names:
-        terms += [Term("in_proj_bias", r, g, None) for r, g in zip(blocks, grads)]
+        terms += [("in_proj_bias", outer(g, None, r)) for r, g in zip(blocks, grads)]
     return terms
 
 
-def all_terms(module: nn.MultiheadAttention, calls: Sequence[Call], names: Sequence[str]
-              ) -> list[list[Term]]:
-    """The terms of each call. Within one call the terms of a parameter write disjoint rows that
-    cover it; the calls' contributions add up."""
-    return [call_terms(module, call, names) for call in calls]
-
-
-def region(buffer: Tensor, term: Term, leading: int) -> Tensor:
-    """The part of ``buffer`` (``[*leading dims, *param.shape]``) that ``term`` writes, as
-    ``[*leading, p, d]`` for a weight term or ``[*leading, p]`` for a bias term."""
-    lead = buffer.shape[:leading]
-    if term.acts is not None:
-        view = buffer.view(*lead, -1, term.acts.shape[-1])
-    else:
-        view = buffer.view(*lead, -1)
-    return view if term.rows is None else view[(slice(None),) * leading + (term.rows,)]
-
-
-def write_terms(out: Mapping[str, Tensor], terms: Sequence[Sequence[Term]], scale: float
-                ) -> None:
-    """``out[name][b] = scale * sum of the name's terms`` over calls (``terms[i]``: call i's)."""
-    for i, call_terms in enumerate(terms):
-        for term in call_terms:
-            if term.name not in out:
-                continue
-            target = region(out[term.name], term, 1)
-            if term.acts is None:
-                add_position_sums(target, term.grads, scale, i > 0)
-            else:
-                add_outer_products(target, term.grads, term.acts, scale, i > 0)
-
-
-def add_weighted(target: Tensor, term: Term, weights: Tensor, accumulate: bool) -> None:
-    """``target (+)= sum_b weights[b] * (term's gradient of sample b)`` (``target [p, d]`` or
-    ``[p]``): the Linear rule's weighted sums, the weights folded into one matmul."""
-    grads = term.grads.unsqueeze(1)  # one group
-    if term.acts is None:
-        weighted_bias_sum(target, grads, weights, accumulate)
-    else:
-        weighted_weight_sum(target, term.acts.unsqueeze(1), grads, weights, accumulate)
+def outer(grads: Tensor, acts: Tensor | None, block: slice | None = None) -> Outer:
+    """``grads [B, T, p]``, ``acts [B, T, d]`` as an :class:`~.forms.Outer` of one group."""
+    return Outer(grads.unsqueeze(1), None if acts is None else acts.unsqueeze(1), block)
 
 
 @register_rule(nn.MultiheadAttention)
@@ -344,41 +296,11 @@ class MultiheadAttentionRule(Rule):
                     f"'{name}' ({type(module).__name__}) was called on an unbatched query "
                     "(2-D): per-sample gradients need a batch dim")
 
-    def grad1(self, module: nn.MultiheadAttention, calls: Sequence[Call], scale: float,
-              out: dict[str, Tensor]) -> None:
-        write_terms(out, all_terms(module, calls, list(out)), scale)
-
-    def norms_squared(self, module: nn.MultiheadAttention, calls: Sequence[Call], scale: float,
-                      names: Sequence[str], keep: KeptGrads | None = None
-                      ) -> dict[str, Tensor]:
-        """The attention recomputed once for all parameters; each materialized in turn (into
-        ``keep``'s buffer when granted), reduced."""
-        terms = all_terms(module, calls, names)
-        batch = self.batch_size(module, calls[0])
-        result = {}
-        for name in names:
-            param = module.get_parameter(name)
-            kept = keep.reserve(module, name, batch) if keep is not None else None
-            per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
-            write_terms({name: per_sample}, terms, 1.0)
-            result[name] = torch.linalg.vector_norm(per_sample.reshape(batch, -1),
-                                                    dim=1).square_().mul_(scale * scale)
+    def forms(self, module: nn.MultiheadAttention, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        """The attention recomputed once per call for all parameters in ``names``."""
+        result: dict[str, list[Form]] = {name: [] for name in names}
+        for call in calls:
+            for name, form in call_forms(module, call, names):
+                result[name].append(form)
         return result
-
-    def weighted_sum(self, module: nn.MultiheadAttention, calls: Sequence[Call], weights: Tensor,
-                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
-        """From the kept per-sample gradients, else one matmul per term with the weights folded
-        into the gradients."""
-        todo = {}
-        for name, target in out.items():
-            kept = keep.get(module, name) if keep is not None else None
-            if kept is not None:
-                contract_samples(target, kept, weights)
-            else:
-                todo[name] = target
-        if not todo:
-            return
-        for i, call_terms in enumerate(all_terms(module, calls, list(todo))):
-            for term in call_terms:
-                add_weighted(region(todo[term.name], term, 0), term, weights, i > 0)
-

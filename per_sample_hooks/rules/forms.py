@@ -40,9 +40,13 @@ from .ghost import (
 @dataclass
 class Outer:
     """``grads [B, Gr, T, p]``, ``acts [B, Gr, T, d]`` (None: a bias): the gradient is
-    ``[Gr, p, d]`` (``[Gr, p]``) flattened into the parameter's shape."""
+    ``[Gr, p, d]`` (``[Gr, p]``) flattened into the parameter's shape; or, with ``block``
+    (one group), into those rows of the parameter seen as ``[n0, d]`` (``[n0]``), zero
+    elsewhere (attention's query, key and value blocks of one weight). A parameter's blocks
+    are disjoint within a call."""
     grads: Tensor
     acts: Tensor | None = None
+    block: slice | None = None
 
     @property
     def positions(self) -> int:
@@ -74,9 +78,10 @@ def join(forms: Sequence[Form]) -> Form | None:
         return first
     if all(isinstance(f, Outer) for f in forms):
         if len({f.acts is None for f in forms}) == 1 and \
-                len({f.grads.shape[1] for f in forms}) == 1:
+                len({f.grads.shape[1] for f in forms}) == 1 and \
+                len({_span(f.block) for f in forms}) == 1:
             acts = None if first.acts is None else concat_positions([f.acts for f in forms])
-            return Outer(concat_positions([f.grads for f in forms]), acts)
+            return Outer(concat_positions([f.grads for f in forms]), acts, first.block)
     elif all(isinstance(f, Rows) and f.num_rows == first.num_rows for f in forms):
         return Rows(torch.cat([f.samples for f in forms]), torch.cat([f.rows for f in forms]),
                     torch.cat([f.values for f in forms]), first.num_rows)
@@ -87,11 +92,22 @@ def join(forms: Sequence[Form]) -> Form | None:
 
 # ----------------------------------------------------------------------- per-sample gradients
 
+def _span(block: slice | None) -> tuple[int, int] | None:
+    return None if block is None else (block.start, block.stop)
+
+
+def has_blocks(forms: Sequence[Form]) -> bool:
+    return any(isinstance(f, Outer) and f.block is not None for f in forms)
+
+
 def write(out: Tensor, forms: Sequence[Form], scale: float) -> None:
     """``out [B, *shape]`` = ``scale`` times the per-sample gradients (fully overwritten;
-    nothing zero-filled where a form writes every entry)."""
+    nothing zero-filled where a form writes every entry; forms of blocks add into zeros)."""
+    blocks = has_blocks(forms)
+    if blocks:
+        out.zero_()
     for i, form in enumerate(forms):
-        _write_one(out, form, scale, accumulate=i > 0)
+        _write_one(out, form, scale, accumulate=blocks or i > 0)
 
 
 def _write_one(out: Tensor, form: Form, scale: float, accumulate: bool) -> None:
@@ -108,13 +124,15 @@ def _write_one(out: Tensor, form: Form, scale: float, accumulate: bool) -> None:
         flat.index_add_(0, form.samples * form.num_rows + form.rows, form.values, alpha=scale)
     elif form.acts is None:
         groups, p = form.grads.shape[1], form.grads.shape[3]
-        target = out.view(batch * groups, p)
+        target = out.view(batch * groups, p) if form.block is None else \
+            out.view(batch, -1)[:, form.block]
         grads = form.grads.reshape(batch * groups, form.positions, p)
         add_position_sums(target, grads, scale, accumulate)
     else:
         _, groups, positions, p = form.grads.shape
         d = form.acts.shape[3]
-        target = out.view(batch * groups, p, d)
+        target = out.view(batch * groups, p, d) if form.block is None else \
+            out.view(batch, -1, d)[:, form.block]
         grads = form.grads.reshape(batch * groups, positions, p)
         acts = form.acts.reshape(batch * groups, positions, d)
         add_outer_products(target, grads, acts, scale, accumulate)
@@ -166,9 +184,26 @@ def materializes(forms: Sequence[Form]) -> bool:
     """Whether :func:`norms_squared` of ``forms`` is best had from materialized per-sample
     gradients (which a caller may then keep for a weighted sum): an :class:`Outer` weight over
     several positions (the ghost norm is not always cheaper), a mix of kinds."""
+    if _disjoint_blocks(forms) is not None:
+        return False
     form = join(forms)
     return form is None or (isinstance(form, Outer) and form.acts is not None
                             and form.positions > 1)
+
+
+def _disjoint_blocks(forms: Sequence[Form]) -> list[list[Form]] | None:
+    """Outer forms of several disjoint blocks, grouped by block (None otherwise): their
+    squared norms add up."""
+    if not has_blocks(forms) or not all(isinstance(f, Outer) and f.block is not None
+                                        for f in forms):
+        return None
+    groups: dict[tuple[int, int], list[Form]] = {}
+    for form in forms:
+        groups.setdefault(_span(form.block), []).append(form)
+    spans = sorted(groups)
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    return list(groups.values())
 
 
 def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
@@ -176,7 +211,10 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
 
     One position: ``|a|^2 |g|^2``; several: the ghost norm or a chunked materialization, by
     cost (:mod:`.ghost`); rows: the values of equal (sample, row) keys summed first; a mix of
-    kinds: materialized once."""
+    kinds: materialized once; disjoint blocks: their norms add up."""
+    blocks = _disjoint_blocks(forms)
+    if blocks is not None and len(blocks) > 1:
+        return sum(norms_squared(group, batch) for group in blocks)
     form = join(forms)
     if form is None:
         first = forms[0]
@@ -206,6 +244,8 @@ def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:
         return (batch, form.per_sample[0].numel())
     if isinstance(form, Rows):
         return (batch, form.num_rows * form.values.shape[1])
+    if has_blocks(forms):
+        raise ValueError("the size of a parameter is not known from blocks of it")
     _, groups, _, p = form.grads.shape
     return (batch, groups * p * (1 if form.acts is None else form.acts.shape[3]))
 
@@ -230,8 +270,9 @@ def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
             total += (u[:, first] * v[:, second] * form.values.to(u.dtype)).sum((1, 2))
         else:
             _, groups, _, p = form.grads.shape
-            left = torch.einsum("bjtp,kjp->kbjt", form.grads.to(u.dtype),
-                                u.view(-1, groups, p))
+            rows = u.view(-1, groups, p) if form.block is None else \
+                u[:, form.block].unsqueeze(1)
+            left = torch.einsum("bjtp,kjp->kbjt", form.grads.to(u.dtype), rows)
             right = v[:, 0].view(-1, 1, 1, 1) if form.acts is None else \
                 torch.einsum("bjtd,kd->kbjt", form.acts.to(u.dtype), v)
             total += (left * right).sum((1, 2, 3))
@@ -243,8 +284,11 @@ def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
 def weighted_sum(out: Tensor, forms: Sequence[Form], weights: Tensor) -> None:
     """``out [*shape] = sum_b weights[b] * g_b`` (fully overwritten): one product per form,
     the weights folded into the smaller operand (book-keeping, Bu et al. 2023)."""
+    blocks = has_blocks(forms)
+    if blocks:
+        out.zero_()
     for i, form in enumerate(forms):
-        accumulate = i > 0
+        accumulate = blocks or i > 0
         if isinstance(form, Dense):
             flat = form.per_sample.reshape(len(weights), -1)
             target = out.view(-1)
@@ -257,9 +301,12 @@ def weighted_sum(out: Tensor, forms: Sequence[Form], weights: Tensor) -> None:
                 flat.zero_()
             flat.index_add_(0, form.rows, weighted)
         elif form.acts is None:
-            weighted_bias_sum(out, form.grads, weights, accumulate)
+            target = out if form.block is None else out.view(-1)[form.block]
+            weighted_bias_sum(target, form.grads, weights, accumulate)
         else:
-            weighted_weight_sum(out, form.acts, form.grads, weights, accumulate)
+            target = out if form.block is None else \
+                out.view(-1, form.acts.shape[3])[form.block]
+            weighted_weight_sum(target, form.acts, form.grads, weights, accumulate)
 
 
 def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:
