@@ -13,7 +13,8 @@ With ``P`` the gradients of the gate pre-activations (``[B, T, G]``) of one laye
 
 ``Q = P`` for RNN and LSTM; for GRU the ``n`` block of ``Q`` is ``P_n * r`` (the reset gate
 multiplies ``W_hn h + b_hn``). ``M`` is ``o * tanh(c)`` and ``D`` the gradient of the projected
-hidden state. Everything is computed batch first; ``batch_first=False`` and unbatched inputs are
+hidden state. These are the rule's :class:`~.forms.Outer` forms, from which every quantity
+follows. Everything is computed batch first; ``batch_first=False`` and unbatched inputs are
 converted inside the rule (``add_hooks``' ``batch_dim`` does not apply to these modules).
 
 PackedSequence inputs are unpacked to a padded batch in the caller's sample order; a mask keeps
@@ -36,7 +37,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .forms import add_outer_products, add_position_sums
+from .forms import Form, Outer
 
 
 @dataclass
@@ -276,57 +277,46 @@ def output_grads(module: nn.RNNBase, call: Call, inputs: RecurrentInput
     return grad_out, grad_h, grad_c
 
 
-def _add_hidden_products(out: Tensor, grads: Tensor, run: DirectionRun, scale: float,
-                         accumulate: bool) -> None:
-    """``out[b] (+)= scale * sum_t grads[b, t]^T h_prev[b, t]`` with ``h_prev`` the state before
-    step ``t`` in the direction's order; the initial-state term is skipped when it is zero."""
+def _hidden_forms(grads: Tensor, run: DirectionRun) -> list[Outer]:
+    """``sum_t grads[b, t]^T h_prev[b, t]`` with ``h_prev`` the state before step ``t`` in the
+    direction's order; the initial-state term is left out when it is zero."""
     states = run.states.detach()
     if run.reverse:
-        add_outer_products(out, grads[:, :-1], states[:, 1:], scale, accumulate)
+        forms = [outer(grads[:, :-1], states[:, 1:])]
         first_grads = grads[:, -1:]
     else:
-        add_outer_products(out, grads[:, 1:], states[:, :-1], scale, accumulate)
+        forms = [outer(grads[:, 1:], states[:, :-1])]
         first_grads = grads[:, :1]
     if run.h0 is not None:
-        add_outer_products(out, first_grads, run.h0[:, None], scale, True)
+        forms.append(outer(first_grads, run.h0[:, None]))
+    return forms
 
 
-def _write_direction(module: nn.RNNBase, layer: int, run: DirectionRun, pre_grad: Tensor,
-                     projected_grad: Tensor | None, scale: float, out: dict[str, Tensor],
-                     accumulate: bool) -> None:
-    """Write (or add) the per-sample sums of one layer and direction into ``out``."""
-    names = parameter_names(layer, run.reverse)
+def outer(grads: Tensor, acts: Tensor | None) -> Outer:
+    """``grads [B, T, p]``, ``acts [B, T, d]`` as an :class:`~.forms.Outer` of one group."""
+    return Outer(grads.unsqueeze(1), None if acts is None else acts.unsqueeze(1))
+
+
+def _direction_forms(module: nn.RNNBase, run: DirectionRun, pre_grad: Tensor,
+                     projected_grad: Tensor | None) -> dict[str, list[Outer]]:
+    """The forms of one layer and direction, by role (``w_ih``, ``w_hh``, ...)."""
     hidden_grad = pre_grad
     if run.reset_gates is not None:
         hidden = module.hidden_size
         hidden_grad = pre_grad.clone()
         hidden_grad[..., 2 * hidden:] *= run.reset_gates
-    if (buf := out.get(names["w_ih"])) is not None:
-        add_outer_products(buf, pre_grad, run.x.detach(), scale, accumulate)
-    if (buf := out.get(names["w_hh"])) is not None:
-        _add_hidden_products(buf, hidden_grad, run, scale, accumulate)
-    if (buf := out.get(names["b_ih"])) is not None:
-        add_position_sums(buf, pre_grad, scale, accumulate)
-    if (buf := out.get(names["b_hh"])) is not None:
-        add_position_sums(buf, hidden_grad, scale, accumulate)
-    if (buf := out.get(names["w_hr"])) is not None:
-        add_outer_products(buf, projected_grad, run.projection_inputs, scale, accumulate)
+    forms = {"w_ih": [outer(pre_grad, run.x.detach())], "w_hh": _hidden_forms(hidden_grad, run),
+             "b_ih": [outer(pre_grad, None)], "b_hh": [outer(hidden_grad, None)]}
+    if projected_grad is not None:
+        forms["w_hr"] = [outer(projected_grad, run.projection_inputs)]
+    return forms
 
 
-def _zero_direction(layer: int, reverse: bool, out: dict[str, Tensor], accumulate: bool) -> None:
-    if accumulate:
-        return
-    for name in parameter_names(layer, reverse).values():
-        if (buf := out.get(name)) is not None:
-            buf.zero_()
-
-
-def add_call_grad1(module: nn.RNNBase, call: Call, scale: float, out: dict[str, Tensor],
-                   accumulate: bool) -> None:
-    """Write (or add) one call's per-sample gradients into ``out``.
-
-    The backward through the re-run stops at the lowest layer with a parameter in ``out``.
-    """
+def call_forms(module: nn.RNNBase, call: Call, names: Sequence[str]
+               ) -> list[tuple[str, Outer]]:
+    """``(parameter name, form)`` of one call for the parameters in ``names``: the backward
+    through the re-run stops at the lowest layer with a parameter in ``names``; a direction
+    whose output did not reach the loss has zero gradients."""
     inputs = recurrent_input(module, call)
     grad_out, grad_h, grad_c = output_grads(module, call, inputs)
     directions = 2 if module.bidirectional else 1
@@ -339,22 +329,25 @@ def add_call_grad1(module: nn.RNNBase, call: Call, scale: float, out: dict[str, 
                 seeds.append(seed)
         needed, wanted = [], []  # (layer, run, how many gradients it asked for)
         for index, r in enumerate(run.directions):
-            names = parameter_names(index // directions, r.reverse).values()
-            if any(name in out for name in names):
+            roles = parameter_names(index // directions, r.reverse)
+            if any(name in names for name in roles.values()):
                 wanted.append(r.pre)
                 wanted.extend(r.projected_steps)
-                needed.append((index // directions, r, 1 + len(r.projected_steps)))
+                needed.append((roles, r, 1 + len(r.projected_steps)))
         grads = torch.autograd.grad(outputs, wanted, seeds, allow_unused=True)
-    for layer, r, count in needed:
+    result = []
+    for roles, r, count in needed:
         (pre_grad, *step_grads), grads = grads[:count], grads[count:]
-        if pre_grad is None:
-            _zero_direction(layer, r.reverse, out, accumulate)
-            continue
         projected_grad = None
+        if pre_grad is None:
+            pre_grad = r.pre.new_zeros(r.pre.shape)
         if step_grads:
             projected_grad = torch.stack([torch.zeros_like(p) if g is None else g
                                           for g, p in zip(step_grads, r.projected_steps)], 1)
-        _write_direction(module, layer, r, pre_grad, projected_grad, scale, out, accumulate)
+        for role, forms in _direction_forms(module, r, pre_grad, projected_grad).items():
+            if roles.get(role) in names:
+                result += [(roles[role], form) for form in forms]
+    return result
 
 
 class RecurrentRule(Rule):
@@ -380,10 +373,14 @@ class RecurrentRule(Rule):
                 "gradients cannot be exact. Construct it with dropout=0 (apply nn.Dropout "
                 "outside the module if needed) or run the forward in eval mode")
 
-    def grad1(self, module: nn.RNNBase, calls: Sequence[Call], scale: float,
-              out: dict[str, Tensor]) -> None:
-        for i, call in enumerate(calls):
-            add_call_grad1(module, call, scale, out, i > 0)
+    def forms(self, module: nn.RNNBase, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        """The recurrence re-run once per call for all parameters in ``names``."""
+        result: dict[str, list[Form]] = {name: [] for name in names}
+        for call in calls:
+            for name, form in call_forms(module, call, names):
+                result[name].append(form)
+        return result
 
 
 for _module_type in (nn.RNN, nn.LSTM, nn.GRU):
