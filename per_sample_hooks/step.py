@@ -20,8 +20,8 @@ from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
-from .rules.forms import project_sum
-from .unseen import HookedSums
+from .rules.forms import project_sum, projection_cost
+from .unseen import N_PROBES, HookedSums
 
 LossType = Literal["mean", "sum"]
 
@@ -194,10 +194,11 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
     checks: each layer's hooked sum is projected from its rule's forms without being formed
-    (:func:`~.rules.forms.project_sum`), or, for a rule without forms, is the contraction of
-    the per-sample gradients in ``kept`` where it has all of the layer's (``kept_scale`` times
-    them is as captured) or its weighted sum with unit weights, projected and dropped layer by
-    layer; then compared with autograd's gradients. Raises before anything is written."""
+    (:func:`~.rules.forms.project_sum`), unless the per-sample gradients in ``kept``
+    (``kept_scale`` times them is as captured) hold all of the layer's and reading them costs
+    less (or the forms would re-run the layer); those are contracted, as a rule without forms
+    has its weighted sum with unit weights taken, each projected and dropped layer by layer;
+    then compared with autograd's gradients. Raises before anything is written."""
     check = state.unseen
     if check is None:
         return
@@ -215,15 +216,19 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
                 wanted[n] = p
         if not wanted:
             continue
-        if describes_forms(layer.rule):
-            for n, parts in layer.rule.forms(layer.module, layer.calls, list(wanted)).items():
-                hooked.add_projection(wanted[n], project_sum(parts, check.probe(wanted[n])))
-            continue
+        stored = {n: kept.get(layer.module, n) for n in wanted} if kept is not None else {}
+        have_all = bool(stored) and all(t is not None for t in stored.values())
+        if describes_forms(layer.rule) and not (have_all and layer.rule.forms_rerun):
+            forms = layer.rule.forms(layer.module, layer.calls, list(wanted))
+            reads = step.batch_size * sum(p.numel() for p in wanted.values())
+            if not have_all or N_PROBES * sum(map(projection_cost, forms.values())) < reads:
+                for n, parts in forms.items():
+                    hooked.add_projection(wanted[n], project_sum(parts, check.probe(wanted[n])))
+                continue
         out = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
                for n, p in wanted.items()}
         ones = out[next(iter(out))].new_ones(step.batch_size)
-        stored = {n: kept.get(layer.module, n) for n in out} if kept is not None else {}
-        if all(t is not None for t in stored.values()) and stored:
+        if have_all:
             for n, target in out.items():
                 contract_samples(target, stored[n], ones * kept_scale)
         else:

@@ -95,6 +95,7 @@ class Schedule:
         self.step_seconds: float | None = None
         self.check_seconds: float | None = None
         self._started: float | None = None
+        self.steps_measured = 0
 
     def due(self, structure: Hashable) -> bool:
         if self.mode == "always" or structure not in self.checked:
@@ -114,8 +115,10 @@ class Schedule:
         steps are not counted, so the checks cost less than ``budget`` of the training time,
         also when steps of other models run in between, as in interleaved benchmarks)."""
         if self._started is not None:
-            self.step_seconds = _average(self.step_seconds,
-                                         time.perf_counter() - self._started)
+            seconds = time.perf_counter() - self._started
+            if self.steps_measured:  # the first step also pays one-time costs: left out
+                self.step_seconds = _average(self.step_seconds, seconds)
+            self.steps_measured += 1
             self._started = None
 
     def checked_one(self, structure: Hashable, seconds: float) -> None:

@@ -94,8 +94,9 @@ def test_sampled_checks_cost_the_budget():
 
 
 def test_sampled_checks_run_in_a_training_loop():
-    """With a budget that covers the check, checked steps happen after the first; the check
-    measures its own cost and the step time."""
+    """With a budget that covers the check, every step is checked once the step time is
+    known (the first step's time, which pays one-time costs, is left out); the check measures
+    its own cost and the step time."""
     torch.manual_seed(0)
     model = SometimesLeaks()
     with psh.add_hooks(model) as state:
@@ -105,6 +106,6 @@ def test_sampled_checks_run_in_a_training_loop():
             model(torch.randn(5, 3)).pow(2).sum().backward()
             checked.append(state.unseen.due())
             psh.compute_grad1(model)
-        assert all(checked)
+        assert checked[0] and not checked[1] and all(checked[2:])
         assert state.unseen.schedule.check_seconds > 0
         assert state.unseen.schedule.step_seconds > 0

@@ -279,6 +279,7 @@ def outer(grads: Tensor, acts: Tensor | None, block: slice | None = None) -> Out
 @register_rule(nn.MultiheadAttention)
 class MultiheadAttentionRule(Rule):
     covers_children = True
+    forms_rerun = True
 
     def batch_size(self, module: nn.MultiheadAttention, call: Call) -> int:
         return bind(module, call).query.shape[0]

@@ -82,6 +82,10 @@ class Rule:
     #: ``unit_parameters(module)`` and its outputs are isolated copies.
     covers_children: bool = False
 
+    #: :meth:`forms` re-runs part of the layer (attention, recurrence): a caller that holds
+    #: the layer's per-sample gradients already reads those instead.
+    forms_rerun: bool = False
+
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         """``{name: forms}`` for each parameter in ``names``: its per-sample gradient, as

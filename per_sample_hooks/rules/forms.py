@@ -264,10 +264,13 @@ def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
             summed = form.per_sample.sum(0).reshape(u.shape[1], v.shape[1])
             total += torch.linalg.vecdot(u @ summed.to(u.dtype), v)
         elif isinstance(form, Rows):  # entry (row, j) is element row * w + j of the parameter
-            w = form.values.shape[1]
+            values, w = form.values.to(u.dtype), form.values.shape[1]
+            if w == v.shape[1]:  # rows of the parameter (Embedding): one product
+                total += ((values @ v.t()) * u[:, form.rows].t()).sum(0)
+                continue
             flat = (form.rows * w).unsqueeze(1) + torch.arange(w, device=form.rows.device)
             first, second = flat // v.shape[1], flat % v.shape[1]
-            total += (u[:, first] * v[:, second] * form.values.to(u.dtype)).sum((1, 2))
+            total += (u[:, first] * v[:, second] * values).sum((1, 2))
         else:
             _, groups, _, p = form.grads.shape
             rows = u.view(-1, groups, p) if form.block is None else \
@@ -277,6 +280,20 @@ def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
                 torch.einsum("bjtd,kd->kbjt", form.acts.to(u.dtype), v)
             total += (left * right).sum((1, 2, 3))
     return total
+
+
+def projection_cost(forms: Sequence[Form]) -> int:
+    """Multiply-adds of :func:`project_sum` per probe (to weigh it against reading per-sample
+    gradients already formed)."""
+    cost = 0
+    for form in forms:
+        if isinstance(form, Dense):
+            cost += form.per_sample.numel()
+        elif isinstance(form, Rows):
+            cost += form.values.numel()
+        else:
+            cost += form.grads.numel() + (0 if form.acts is None else form.acts.numel())
+    return cost
 
 
 # ----------------------------------------------------------------------------- weighted sums

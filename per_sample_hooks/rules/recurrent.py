@@ -353,6 +353,8 @@ def call_forms(module: nn.RNNBase, call: Call, names: Sequence[str]
 class RecurrentRule(Rule):
     """Per-sample gradients of nn.RNN / nn.LSTM / nn.GRU by an unrolled re-run (see module doc)."""
 
+    forms_rerun = True
+
     def batch_size(self, module: nn.RNNBase, call: Call) -> int:
         data = _argument(call, 0, "input")
         if isinstance(data, PackedSequence):
