@@ -11,10 +11,13 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
 - ``psh norms``: per_sample_hooks ``compute_norms`` after the backward (no clipping).
 - ``psh clip``: per_sample_hooks ``clip_grads`` (max_norm 1) after the ordinary backward.
 - ``psh clip outputs-bwd``: the backward asks autograd for the hooked layers' output gradients
-  only (``OutputEdges(model, form_on_arrival=True).backward``, what ``DPSGD.backward`` does
-  after its first step), skipping the parameter gradients that ``clip_grads`` rebuilds clipped
+  only (``OutputEdges(model, form_on_arrival=True).backward``, what ``DPSGD.backward`` does),
+  skipping the parameter gradients that ``clip_grads`` rebuilds clipped
   anyway, and forming per-sample gradients on arrival where they are smaller than the
-  captured pair; then ``clip_grads(release_records=True)`` (as ``DPSGD.step``).
+  captured pair; then ``clip_grads(release_records=True)`` (as ``DPSGD.step``). A step the
+  unseen-use check runs (the first, and sampled ones) takes an ordinary backward instead.
+- ``psh clip outputs-bwd no check``: the same with ``check_unseen=False``: the memory of the
+  steps the check does not run on (the memory run's 3 steps include the checked first one).
 - ``psh norms outputs-bwd``: the same backward, then ``compute_norms`` (norms when the
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
 - ``opacus hooks+clip``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (noise 0): per-sample
@@ -55,6 +58,7 @@ from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 
 MAX_NORM = 1.0
 METHODS = ["plain", "psh norms", "psh norms outputs-bwd", "psh clip", "psh clip outputs-bwd",
+           "psh clip outputs-bwd no check",
            "opacus hooks+clip",
            "opacus ghost",
            "backpack L2", "func vmap"]
@@ -160,8 +164,9 @@ def _psh(model, x, y, clip: bool):
     return step
 
 
-def _psh_outputs_backward(model, x, y, clip: bool):
+def _psh_outputs_backward(model, x, y, clip: bool, check: bool = True):
     from per_sample_hooks.dp import OutputEdges
+    psh.add_hooks(model, check_unseen=check)
     edges = OutputEdges(model, form_on_arrival=True)  # as DPSGD's
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -252,6 +257,8 @@ BUILDERS: dict[str, Callable] = {
     "psh clip": lambda m, x, y: _psh(m, x, y, clip=True),
     "psh norms outputs-bwd": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=False),
     "psh clip outputs-bwd": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=True),
+    "psh clip outputs-bwd no check": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=True,
+                                                                           check=False),
     "opacus hooks+clip": _opacus_hooks,
     "opacus ghost": _opacus_ghost,
     "backpack L2": _backpack,
