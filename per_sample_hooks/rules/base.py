@@ -123,7 +123,8 @@ class Rule:
         ``names``, i.e. of exactly what :meth:`grad1` writes (``scale`` included, so squared).
 
         From the forms (:func:`.forms.norms_squared`); where that materializes per-sample
-        gradients anyway, into ``keep``'s buffer when granted (for :meth:`weighted_sum`)."""
+        gradients anyway, or building the forms again would re-run the layer
+        (:attr:`forms_rerun`), into ``keep``'s buffer when granted (for :meth:`weighted_sum`)."""
         result = {}
         batch = self.batch_size(module, calls[0])
         if type(self).forms is Rule.forms:  # only grad1: materialize, into keep when granted
@@ -135,8 +136,8 @@ class Rule:
                 result[name] = sum_of_squares(per_sample).mul_(scale * scale)
             return result
         for name, parts in self.forms(module, calls, names).items():
-            kept = keep.reserve(module, name, batch) \
-                if keep is not None and forms.materializes(parts) else None
+            kept = keep.reserve(module, name, batch) if keep is not None and (
+                self.forms_rerun or forms.materializes(parts)) else None
             if kept is not None:
                 forms.write(kept, parts, 1.0)
                 squared = sum_of_squares(kept)
