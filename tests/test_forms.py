@@ -2,11 +2,11 @@
 dense per-sample tensor it describes, float64; several forms of one kind (joined) and a mix of
 kinds (a parameter shared by modules of different families: its norms carry the cross terms)."""
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from per_sample_hooks.rules import forms
-from per_sample_hooks.rules.forms import Dense, Outer, Rows
+from per_sample_hooks.rules.forms import Dense, Outer, Rows, Unfolded
 
 
 def dense_of(form, batch):
@@ -127,3 +127,69 @@ def test_blocks_of_rows(batch, sizes, lengths, d, calls, bias, seed):
     v = torch.randn(3, expected.shape[1] // n0, generator=g, dtype=torch.double)
     torch.testing.assert_close(forms.project_sum(parts, (u, v)),
                                torch.einsum("kn,nd,kd->k", u, expected.sum(0).view(n0, -1), v))
+
+
+def lazily(acts, elements, built, projects):
+    """``acts`` as :class:`Unfolded`: each chunk a transposed view of a fresh copy (as conv
+    patches are), its number of samples recorded in ``built``; a projection of its own when
+    ``projects``."""
+    def build(start, stop):
+        built.append(stop - start)
+        return acts[start:stop].transpose(2, 3).contiguous().transpose(2, 3)
+    project = (lambda v: v @ acts.mT) if projects else None
+    return Unfolded(build, acts.shape[3], elements, project)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=st.integers(1, 5), groups=st.integers(1, 3),
+       lengths=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       p=st.sampled_from([1, 2, 3, 8]), d=st.sampled_from([1, 2, 3, 8]),
+       lazy=st.lists(st.booleans(), min_size=3, max_size=3),
+       elements=st.integers(1, 80), extra=st.sampled_from([None, "bias", "dense"]),
+       projects=st.booleans(), scale=st.sampled_from([1.0, 0.5]), seed=st.integers(0, 1000))
+@example(batch=3, groups=2, lengths=[2], p=8, d=8, lazy=[True] * 3, elements=40, extra=None,
+         projects=False, scale=1.0, seed=0)  # the ghost norm, one call
+@example(batch=3, groups=1, lengths=[1, 2], p=8, d=8, lazy=[True, False, True], elements=20,
+         extra=None, projects=True, scale=0.5, seed=1)  # the ghost norm, lazy and tensor acts
+def test_unfolded_acts(batch, groups, lengths, p, d, lazy, elements, extra, projects, scale,
+                       seed):
+    """Outer forms whose activations are built a chunk of samples at a time (conv patches),
+    from one or several calls, some lazy and some not, alone or with a bias-like or dense
+    form (mixed kinds), over each norm method: every quantity against the dense gradient, and
+    no chunk holding more than ``elements`` numbers (or one sample)."""
+    g = torch.Generator().manual_seed(seed)
+    lazy[0] = True
+    parts, built, expected = [], [], 0
+    for length, is_lazy in zip(lengths, lazy):
+        grads = torch.randn(batch, groups, length, p, generator=g, dtype=torch.double)
+        acts = torch.randn(batch, groups, length, d, generator=g, dtype=torch.double)
+        expected = expected + dense_of(Outer(grads, acts), batch)
+        if is_lazy:
+            built.append(([], groups * length * d))
+            acts = lazily(acts, elements, built[-1][0], projects)
+        parts.append(Outer(grads, acts))
+    n = groups * p * d
+    if extra == "dense":
+        dense = torch.randn(batch, n, generator=g, dtype=torch.double)
+        parts.append(Dense(dense))
+        expected = expected + dense
+    elif extra == "bias":  # a gradient of p * d rows of one position each: the same size
+        bias = Outer(torch.randn(batch, 1, 2, n, generator=g, dtype=torch.double))
+        parts.append(bias)
+        expected = expected + dense_of(bias, batch)
+    out = torch.full((batch, n), float("nan"), dtype=torch.double)
+    forms.write(out, parts, scale)
+    torch.testing.assert_close(out, scale * expected)
+    torch.testing.assert_close(forms.norms_squared(parts, batch), expected.pow(2).sum(1))
+    weights = torch.rand(batch, generator=g, dtype=torch.double)
+    total = torch.full((n,), float("nan"), dtype=torch.double)
+    forms.weighted_sum(total, parts, weights)
+    torch.testing.assert_close(total, weights @ expected)
+    u = torch.randn(3, groups * p, generator=g, dtype=torch.double)
+    v = torch.randn(3, d, generator=g, dtype=torch.double)
+    if extra != "bias":  # a bias-like form is not a [groups * p, d] matrix
+        torch.testing.assert_close(
+            forms.project_sum(parts, (u, v)),
+            torch.einsum("kn,nd,kd->k", u, expected.sum(0).view(groups * p, d), v))
+    for sizes, per_sample in built:
+        assert sizes and max(sizes) <= max(1, elements // per_sample)

@@ -6,7 +6,8 @@ loss scale) as a list of forms, one or more per call, whose sum it is:
 - :class:`Outer`: sums over positions of outer products of output gradients and inputs,
   ``g_b = {sum_t grads[b, j, t]^T acts[b, j, t]}_j`` over ``Gr`` independent groups (Linear
   with any leading dims, convolutions after unfold, attention projections); ``acts`` None is
-  a bias, ``{sum_t grads[b, j, t]}_j``;
+  a bias, ``{sum_t grads[b, j, t]}_j``; ``acts`` :class:`Unfolded` are built a chunk of
+  samples at a time (convolution patches);
 - :class:`Rows`: rows scattered from output gradients (Embedding, EmbeddingBag): sample ``b``'s
   gradient is the sum of its entries' values placed at their rows of the table seen as
   ``[num_rows, w]``;
@@ -21,14 +22,16 @@ mix of types is materialized once.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from . import ghost
 from .ghost import (
     bias_norms_squared,
+    choose_method,
     concat_positions,
     sum_of_squares,
     weight_norms_squared,
@@ -38,14 +41,30 @@ from .ghost import (
 
 
 @dataclass
+class Unfolded:
+    """Activations ``[B, Gr, T, d]`` too large to hold for the whole batch (convolution
+    patches: ``prod(kernel)`` times the input), built a chunk of samples at a time:
+    ``build(start, stop)`` gives samples ``start:stop``, ``[n, Gr, T, d]``. Every function
+    here builds a chunk at once, uses it and drops it: about ``elements`` numbers to write
+    per-sample gradients, at most :data:`~.ghost.CHUNK_ELEMENTS` for the reductions (as their
+    other temporaries). ``project``, when given, is ``v [k, d] -> v @ acts^T``
+    (``[B, Gr, k, T]``) without building them (for conv patches, a convolution of the input
+    with ``v`` as kernels), for :func:`project_sum`."""
+    build: Callable[[int, int], Tensor]
+    features: int  # d
+    elements: int
+    project: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass
 class Outer:
-    """``grads [B, Gr, T, p]``, ``acts [B, Gr, T, d]`` (None: a bias): the gradient is
-    ``[Gr, p, d]`` (``[Gr, p]``) flattened into the parameter's shape; or, with ``block``
-    (one group), into those rows of the parameter seen as ``[n0, d]`` (``[n0]``), zero
-    elsewhere (attention's query, key and value blocks of one weight). A parameter's blocks
-    are disjoint within a call."""
+    """``grads [B, Gr, T, p]``, ``acts [B, Gr, T, d]`` (None: a bias; :class:`Unfolded`: built
+    a chunk of samples at a time): the gradient is ``[Gr, p, d]`` (``[Gr, p]``) flattened
+    into the parameter's shape; or, with ``block`` (one group), into those rows of the
+    parameter seen as ``[n0, d]`` (``[n0]``), zero elsewhere (attention's query, key and value
+    blocks of one weight). A parameter's blocks are disjoint within a call."""
     grads: Tensor
-    acts: Tensor | None = None
+    acts: Tensor | Unfolded | None = None
     block: slice | None = None
 
     @property
@@ -71,6 +90,36 @@ class Dense:
 Form = Outer | Rows | Dense
 
 
+def features(acts: Tensor | Unfolded) -> int:
+    return acts.features if isinstance(acts, Unfolded) else acts.shape[3]
+
+
+def act_chunks(form: Outer, reduce: bool = True) -> Iterator[tuple[slice, Tensor]]:
+    """``(samples, acts[samples])`` covering the batch: a tensor whole, :class:`Unfolded` a
+    chunk at a time (of the reductions' size, else of its own)."""
+    if not isinstance(form.acts, Unfolded):
+        yield slice(None), form.acts
+        return
+    batch, groups, positions, _ = form.grads.shape
+    elements = min(form.acts.elements, ghost.CHUNK_ELEMENTS) if reduce else form.acts.elements
+    step = max(1, elements // (groups * positions * form.acts.features))
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        yield slice(start, stop), form.acts.build(start, stop)
+
+
+def concat_acts(parts: Sequence[Tensor | Unfolded]) -> Tensor | Unfolded:
+    """:func:`~.ghost.concat_positions` of activations, lazily when any part is built in
+    chunks."""
+    if not any(isinstance(a, Unfolded) for a in parts):
+        return concat_positions(parts)
+    builds = [a.build if isinstance(a, Unfolded) else (lambda start, stop, a=a: a[start:stop])
+              for a in parts]
+    return Unfolded(lambda start, stop: torch.cat([b(start, stop) for b in builds], dim=2),
+                    features(parts[0]),
+                    min(a.elements for a in parts if isinstance(a, Unfolded)))
+
+
 def join(forms: Sequence[Form]) -> Form | None:
     """One form for the sum of ``forms`` when they are of one kind (None otherwise)."""
     first = forms[0]
@@ -80,7 +129,7 @@ def join(forms: Sequence[Form]) -> Form | None:
         if len({f.acts is None for f in forms}) == 1 and \
                 len({f.grads.shape[1] for f in forms}) == 1 and \
                 len({_span(f.block) for f in forms}) == 1:
-            acts = None if first.acts is None else concat_positions([f.acts for f in forms])
+            acts = None if first.acts is None else concat_acts([f.acts for f in forms])
             return Outer(concat_positions([f.grads for f in forms]), acts, first.block)
     elif all(isinstance(f, Rows) and f.num_rows == first.num_rows for f in forms):
         return Rows(torch.cat([f.samples for f in forms]), torch.cat([f.rows for f in forms]),
@@ -130,12 +179,18 @@ def _write_one(out: Tensor, form: Form, scale: float, accumulate: bool) -> None:
         add_position_sums(target, grads, scale, accumulate)
     else:
         _, groups, positions, p = form.grads.shape
-        d = form.acts.shape[3]
+        d = features(form.acts)
         target = out.view(batch * groups, p, d) if form.block is None else \
             out.view(batch, -1, d)[:, form.block]
         grads = form.grads.reshape(batch * groups, positions, p)
-        acts = form.acts.reshape(batch * groups, positions, d)
-        add_outer_products(target, grads, acts, scale, accumulate)
+        if isinstance(form.acts, Tensor):
+            acts = form.acts.reshape(batch * groups, positions, d)
+            add_outer_products(target, grads, acts, scale, accumulate)
+            return
+        for samples, acts in act_chunks(form, reduce=False):  # straight into out
+            rows = slice(samples.start * groups, samples.stop * groups)
+            add_outer_products(target[rows], grads[rows], acts.reshape(-1, positions, d),
+                               scale, accumulate)
 
 
 def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, accumulate: bool
@@ -234,7 +289,13 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
         return form.values.new_zeros(batch).index_add_(0, distinct // form.num_rows, squared)
     if form.acts is None:
         return bias_norms_squared(form.grads)
-    return weight_norms_squared(form.acts, form.grads)
+    if isinstance(form.acts, Tensor):
+        return weight_norms_squared(form.acts, form.grads)
+    method = choose_method(form.positions, form.acts.features, form.grads.shape[3])
+    result = form.grads.new_empty(batch)
+    for samples, acts in act_chunks(form):
+        result[samples] = weight_norms_squared(acts, form.grads[samples], method)
+    return result
 
 
 def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:
@@ -247,7 +308,7 @@ def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:
     if has_blocks(forms):
         raise ValueError("the size of a parameter is not known from blocks of it")
     _, groups, _, p = form.grads.shape
-    return (batch, groups * p * (1 if form.acts is None else form.acts.shape[3]))
+    return (batch, groups * p * (1 if form.acts is None else features(form.acts)))
 
 
 # ----------------------------------------------------------------------------- projections
@@ -255,8 +316,8 @@ def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:
 def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
     """``[k]``: ``u_k^T (sum_b g_b) v_k`` for ``probe = (u [k, n0], v [k, n1])``, the
     parameter seen as ``[n0, n1]`` (its first dim by the rest), without forming the sum:
-    ``sum_{b,t} (G u)(A v)`` for an outer product, ``O(B T (p + d) k)`` (the unseen-use
-    check's hooked side)."""
+    ``sum_{b,t} (G u)(A v)`` for an outer product, ``O(B T (p + d) k)``; a bias's grads
+    summed first (the unseen-use check's hooked side)."""
     u, v = probe
     total = u.new_zeros(u.shape[0])
     for form in forms:
@@ -275,16 +336,25 @@ def project_sum(forms: Sequence[Form], probe: tuple[Tensor, Tensor]) -> Tensor:
             _, groups, _, p = form.grads.shape
             rows = u.view(-1, groups, p) if form.block is None else \
                 u[:, form.block].unsqueeze(1)
-            left = torch.einsum("bjtp,kjp->kbjt", form.grads.to(u.dtype), rows)
-            right = v[:, 0].view(-1, 1, 1, 1) if form.acts is None else \
-                torch.einsum("bjtd,kd->kbjt", form.acts.to(u.dtype), v)
-            total += (left * right).sum((1, 2, 3))
+            grads = form.grads.to(u.dtype)
+            if form.acts is None:  # sum_{b,t} (G u) v: the grads summed first
+                total += (rows * grads.sum(2).sum(0)).sum((1, 2)) * v[:, 0]
+            elif isinstance(form.acts, Tensor):
+                left = torch.einsum("bjtp,kjp->kbjt", grads, rows)
+                right = torch.einsum("bjtd,kd->kbjt", form.acts.to(u.dtype), v)
+                total += (left * right).sum((1, 2, 3))
+            else:  # [n, Gr, k, T]: positions last (contiguous in conv grads and patches)
+                parts = [(slice(None), form.acts.project(v))] if form.acts.project else \
+                    ((samples, v @ acts.to(u.dtype).mT) for samples, acts in act_chunks(form))
+                for samples, right in parts:
+                    left = rows.transpose(0, 1) @ grads[samples].mT
+                    total += (left * right).sum((0, 1, 3))
     return total
 
 
 def projection_cost(forms: Sequence[Form]) -> int:
     """Multiply-adds of :func:`project_sum` per probe (to weigh it against reading per-sample
-    gradients already formed)."""
+    gradients already formed); :class:`Unfolded` activations count as many as they hold."""
     cost = 0
     for form in forms:
         if isinstance(form, Dense):
@@ -292,7 +362,8 @@ def projection_cost(forms: Sequence[Form]) -> int:
         elif isinstance(form, Rows):
             cost += form.values.numel()
         else:
-            cost += form.grads.numel() + (0 if form.acts is None else form.acts.numel())
+            cost += form.grads.numel() + (0 if form.acts is None else
+                                          form.grads[..., 0].numel() * features(form.acts))
     return cost
 
 
@@ -321,9 +392,10 @@ def weighted_sum(out: Tensor, forms: Sequence[Form], weights: Tensor) -> None:
             target = out if form.block is None else out.view(-1)[form.block]
             weighted_bias_sum(target, form.grads, weights, accumulate)
         else:
-            target = out if form.block is None else \
-                out.view(-1, form.acts.shape[3])[form.block]
-            weighted_weight_sum(target, form.acts, form.grads, weights, accumulate)
+            target = out if form.block is None else out.view(-1, features(form.acts))[form.block]
+            for j, (samples, acts) in enumerate(act_chunks(form)):
+                weighted_weight_sum(target, acts, form.grads[samples], weights[samples],
+                                    accumulate or j > 0)
 
 
 def contract_samples(out: Tensor, per_sample: Tensor, weights: Tensor) -> None:
