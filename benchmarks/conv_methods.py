@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import per_sample_hooks as psh
-from per_sample_hooks.rules import conv, conv_transpose
+from per_sample_hooks.rules import conv, conv_transpose, forms
+from per_sample_hooks.rules.forms import Outer
 
 SHAPES = [
     ("Conv2d 1->32 k3, 28x28, B64 (seed 001)", nn.Conv2d(1, 32, 3), (64, 1, 28, 28)),
@@ -76,12 +78,17 @@ def time_shape(module: nn.Module, shape: tuple[int, ...], reps: int) -> dict[str
     x = torch.randn(shape)
     grad_output = torch.randn_like(module(x))
     out = torch.empty(shape[0], *module.weight.shape)
-    if isinstance(module, nn.modules.conv._ConvTransposeNd):
-        def im2col():
-            conv_transpose.add_conv_transpose_weight_grads(module, x, grad_output, out, 1.0, False)
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):  # the rule's form of the weight
+        left, right = x, conv.unfolded(
+            module, grad_output,
+            lambda gy: conv_transpose.crop_pad_grad_output(module, gy, x.shape[2:]))
     else:
-        def im2col():
-            conv.add_conv_weight_grads(module, x, grad_output, out, 1.0, False)
+        left, right = grad_output, conv.unfolded(module, x, partial(conv.pad_conv_input, module),
+                                                 conv.zero_padding(module))
+    form = Outer(conv.conv_output_grads(module, left), right)
+
+    def im2col():
+        forms.write(out, [form], 1.0)
 
     def plain():
         module.zero_grad()

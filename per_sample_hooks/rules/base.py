@@ -139,7 +139,10 @@ class Rule:
             kept = keep.reserve(module, name, batch) if keep is not None and (
                 self.forms_rerun or forms.materializes(parts)) else None
             if kept is not None:
-                forms.write(kept, parts, 1.0)
+                if type(self).grad1 is Rule.grad1:
+                    forms.write(kept, parts, 1.0)
+                else:  # the rule writes them better than its forms do
+                    self.grad1(module, calls, 1.0, {name: kept})
                 squared = sum_of_squares(kept)
             else:
                 squared = forms.norms_squared(parts, batch)

@@ -12,19 +12,23 @@ with ``patches = conv_patches(module, x)`` (``[B, G, T, K]``) and
 Grouped and depthwise convolutions cost one small product per group; the cross-group
 ``Cout x Cin*prod(k)`` product is never formed.
 
-The rule writes straight into the persistent ``[B, Cout, Cin/G, *k]`` buffer viewed as
-``[B*G, Cout/G, K]`` with ``baddbmm(out=...)`` (scale folded into ``alpha``). Patches are built a
-few samples at a time (about ``PATCH_CHUNK_ELEMENTS`` numbers), so the im2col buffer stays small
-and cache-resident instead of ``prod(k)`` times the input; on the seed-001 CNN this beats both a
-whole-batch ``F.unfold`` (page faults of a fresh 42 MB buffer) and the grouped-convolution trick
-of Rochette et al. (``convolution_backward`` with ``groups = B*G``), which the rule uses where it
-measured faster: 3d convolutions with many input channels per group
-(:func:`prefers_grouped_convolution`).
+The rule's forms (:mod:`.forms`) are, per call, ``Outer(grads, patches)`` for the weight and
+``Outer(grads)`` for the bias, the patches :class:`~.forms.Unfolded`: built a few samples at a
+time (about ``PATCH_CHUNK_ELEMENTS`` numbers), so the im2col buffer stays small and
+cache-resident instead of ``prod(k)`` times the input. Per-sample gradients are multiplied
+straight into the persistent ``[B, Cout, Cin/G, *k]`` buffer viewed as ``[B*G, Cout/G, K]``; on
+the seed-001 CNN this beats both a whole-batch ``F.unfold`` (page faults of a fresh 42 MB
+buffer) and the grouped-convolution trick of Rochette et al. (``convolution_backward`` with
+``groups = B*G``), which the rule uses where it measured faster: 3d convolutions with many
+input channels per group (:func:`prefers_grouped_convolution`). Weighted sums of the weight
+are one weight-gradient convolution (no unfold). :class:`ConvolutionRule` holds what
+transposed convolutions share (their weight gradient is that of a convolution too).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -32,24 +36,8 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import (
-    KeptGrads,
-    Rule,
-    contract_samples,
-    hess_from_grad1,
-    register_rule,
-    split_passes,
-)
-from .forms import add_outer_products, add_position_sums
-from .ghost import (
-    bias_norms_squared,
-    choose_method,
-    chunk_ranges,
-    concat_positions,
-    sum_of_squares,
-    weight_norms_squared,
-    weighted_bias_sum,
-)
+from .base import KeptGrads, Rule, hess_from_grad1, register_rule, split_passes
+from .forms import Form, Outer, Unfolded
 from .kronecker import Approx, input_factor, output_factor
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
@@ -134,30 +122,45 @@ def sample_chunks(batch: int, per_sample: int) -> Iterator[tuple[int, int]]:
         yield start, min(batch, start + size)
 
 
-def add_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor,
-                          out: Tensor, scale: float, accumulate: bool) -> None:
-    """``out (+)= scale * per-sample weight gradients`` for one call; ``out [B, *weight.shape]``.
+def unfolded(module: nn.modules.conv._ConvNd, x: Tensor, pad: Callable[[Tensor], Tensor],
+             padding: Sequence[int] | None = None) -> Unfolded:
+    """The patches of ``pad(x)`` (``[B, G, T, K]``, ``K`` the size of a row of the weight):
+    built ``PATCH_CHUNK_ELEMENTS`` numbers at a time; projected by a convolution of ``x`` with
+    each probe as a kernel (no unfold), with ``padding`` when given (zero padding: no padded
+    copy), else over ``pad(x)``."""
+    kernel, stride, dilation, groups = (module.kernel_size, module.stride, module.dilation,
+                                        module.groups)
+    dims = len(kernel)
 
-    Patches are unfolded a chunk of samples at a time and multiplied straight into ``out``.
-    """
-    batch, groups = x.shape[0], module.groups
-    out_per_group = module.out_channels // groups
-    weights = out.view(batch * groups, out_per_group, -1)
-    grads = grad_output.reshape(batch * groups, out_per_group, -1)
-    per_sample = weights.shape[2] * grads.shape[2] * groups
-    for start, stop in sample_chunks(batch, per_sample):
-        patches = conv_columns(module, x[start:stop]).flatten(0, 1).transpose(1, 2)
-        rows = slice(start * groups, stop * groups)
-        add_outer_products(weights[rows], grads[rows].transpose(1, 2), patches, scale, accumulate)
+    def build(start: int, stop: int) -> Tensor:
+        return unfold_columns(pad(x[start:stop]), kernel, stride, dilation, groups).mT
+
+    def project(probes: Tensor) -> Tensor:  # [k, K] -> [B, G, k, T]
+        count = probes.shape[0]
+        kernels = probes.view(count, -1, *kernel).repeat(groups, *[1] * (dims + 1))
+        source = x if padding is not None else pad(x)
+        out = torch.convolution(source.to(probes.dtype), kernels, None, stride,
+                                padding or [0] * dims, dilation, False, [0] * dims, groups)
+        return out.view(out.shape[0], groups, count, -1)
+
+    return Unfolded(build, module.weight[0].numel(), PATCH_CHUNK_ELEMENTS, project)
+
+
+def zero_padding(module: nn.modules.conv._ConvNd) -> Sequence[int] | None:
+    """``module.padding`` when a convolution can apply it itself (zeros, symmetric)."""
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        return module.padding
+    return None
 
 
 def add_grouped_conv_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor,
                                   grad_output: Tensor, out: Tensor, scale: float,
                                   accumulate: bool) -> None:
-    """Same result as :func:`add_conv_weight_grads` by the trick of Rochette et al. (2019): the
-    per-sample weight gradients are the weight gradient of a single convolution over the batch
-    folded into the channels, with ``groups = B*G`` (one oneDNN/cuDNN call, no im2col). Costs
-    one fresh ``[B, *weight.shape]`` result copied into ``out``."""
+    """``out (+)= scale * per-sample weight gradients`` (``[B, *weight.shape]``) by the trick
+    of Rochette et al. (2019): the per-sample weight gradients are the weight gradient of a
+    single convolution over the batch folded into the channels, with ``groups = B*G`` (one
+    oneDNN/cuDNN call, no im2col). Costs one fresh ``[B, *weight.shape]`` result copied into
+    ``out``."""
     batch, dims = x.shape[0], len(module.kernel_size)
     padded = pad_conv_input(module, x)
     weights = out.view(-1, *out.shape[2:])  # [B*Cout, Cin/G, *k]; only its shape is read
@@ -177,11 +180,6 @@ def prefers_grouped_convolution(module: nn.modules.conv._ConvNd) -> bool:
     21 vs 25 ms; depthwise: 2-3x) and on 3d convs with few input channels per group; the
     grouped-convolution weight gradient wins on 3d convs with 8 or more (1.4-1.7x)."""
     return len(module.kernel_size) == 3 and module.in_channels // module.groups >= 8
-
-
-def add_spatial_sums(out: Tensor, grad_output: Tensor, scale: float, accumulate: bool) -> None:
-    """Bias gradients: ``out[b] (+)= scale * grad_output[b].sum(spatial)``, ``out [B, C]``."""
-    add_position_sums(out, grad_output.flatten(2).transpose(1, 2), scale, accumulate)
 
 
 def layer_input(call: Call) -> Tensor:
@@ -205,55 +203,88 @@ def check_batched(module: nn.Module, calls: Sequence[Call], name: str) -> None:
                 "[batch, channels, *spatial]: add a batch dim (x.unsqueeze(0))")
 
 
+class ConvolutionRule(Rule):
+    """What convolutions and transposed convolutions share: the weight gradient is the weight
+    gradient of a convolution (:meth:`operands`), whose per-sample form is ``Outer(grads,
+    patches)``, the patches :class:`~.forms.Unfolded` (built a chunk of samples at a time,
+    projected by a convolution); the bias's is ``Outer(grads)`` of the output gradients."""
+
+    def operands(self, module: nn.Module, call: Call
+                 ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], Sequence[int] | None]:
+        """``(source, grads, pad, padding)``: ``module``'s weight gradient in ``call`` is the
+        weight gradient of the convolution (``module``'s kernel, stride, dilation, groups) of
+        ``pad(source)``, or of ``source`` with zero ``padding`` when given, whose output
+        gradient is ``grads``."""
+        raise NotImplementedError
+
+    def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        check_batched(module, calls, name)
+
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        result: dict[str, list[Form]] = {name: [] for name in names}
+        for call in calls:
+            for name, parts in result.items():
+                if name == "weight":
+                    source, grads, pad, padding = self.operands(module, call)
+                    parts.append(Outer(conv_output_grads(module, grads),
+                                       unfolded(module, source, pad, padding)))
+                else:
+                    parts.append(Outer(conv_output_grads(module, call.backprop())))
+        return result
+
+    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
+                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
+        """The weight, unless kept, by one weight-gradient convolution per call with
+        ``weights`` folded into its output gradient (no unfold; measured 1.5-2.5x faster than
+        the forms' chunked patches on 1d and 2d shapes, though 0.7x on the seed-001 CNN's
+        conv2, whose clipping keeps its per-sample gradients); the rest from the forms."""
+        if "weight" in out and (keep is None or keep.get(module, "weight") is None):
+            target, dims = out["weight"], len(module.kernel_size)
+            for i, call in enumerate(calls):
+                source, grads, pad, padding = self.operands(module, call)
+                w = weights.to(grads.dtype).view(-1, *[1] * (grads.dim() - 1))
+                summed = torch.ops.aten.convolution_backward(
+                    grads * w, source if padding is not None else pad(source), target, None,
+                    module.stride, padding or [0] * dims, module.dilation, False, [0] * dims,
+                    module.groups, [False, True, False])[1]
+                target.add_(summed) if i else target.copy_(summed)
+            out = {n: t for n, t in out.items() if n != "weight"}
+        if out:
+            super().weighted_sum(module, calls, weights, out, keep)
+
+    def hess(self, module: nn.Module, calls: Sequence[Call], scale: float,
+             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Exact Gauss-Newton blocks from per-pass per-sample gradients."""
+        return hess_from_grad1(self, module, calls, scale, params)
+
+
 @register_rule(nn.Conv1d)
 @register_rule(nn.Conv2d)
 @register_rule(nn.Conv3d)
-class ConvRule(Rule):
+class ConvRule(ConvolutionRule):
     """Conv1d/2d/3d with any stride, padding (ints, tuples, "same", "valid"), padding_mode,
     dilation, groups (depthwise included) and bias."""
 
-    def check(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], name: str) -> None:
-        check_batched(module, calls, name)
+    def operands(self, module: nn.modules.conv._ConvNd, call: Call
+                 ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], Sequence[int] | None]:
+        return (layer_input(call), call.backprop(), partial(pad_conv_input, module),
+                zero_padding(module))
 
     def grad1(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
-        weight, bias = out.get("weight"), out.get("bias")
-        add_weight_grads = (add_grouped_conv_weight_grads if prefers_grouped_convolution(module)
-                            else add_conv_weight_grads)
+        """The forms, except the weight of 3d convolutions with many input channels per group:
+        there the grouped-convolution trick is 1.4-1.7x faster than the chunked patches
+        (:func:`prefers_grouped_convolution`)."""
+        weight = out.get("weight")
+        if weight is None or not prefers_grouped_convolution(module):
+            super().grad1(module, calls, scale, out)
+            return
         for i, call in enumerate(calls):
-            grad_output = call.backprop()
-            if weight is not None:
-                add_weight_grads(module, layer_input(call), grad_output, weight, scale, i > 0)
-            if bias is not None:
-                add_spatial_sums(bias, grad_output, scale, i > 0)
-
-    def norms_squared(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
-                      scale: float, names: Sequence[str], keep: KeptGrads | None = None
-                      ) -> dict[str, Tensor]:
-        """Linear norm paths per group on the unfolded form, a chunk of samples at a time; the
-        weight's per-sample gradients go into ``keep`` when granted (several positions)."""
-        if "weight" in names and keep is not None:
-            grads = calls[0].backprop()
-            if sum(c.backprop()[0, 0].numel() for c in calls) > 1:
-                kept = keep.reserve(module, "weight", grads.shape[0])
-                if kept is not None:
-                    self.grad1(module, calls, 1.0, {"weight": kept})
-                    result = conv_norms_squared(module, calls, scale,
-                                                [n for n in names if n != "weight"])
-                    result["weight"] = sum_of_squares(kept).mul_(scale * scale)
-                    return result
-        return conv_norms_squared(module, calls, scale, names)
-
-    def weighted_sum(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call],
-                     weights: Tensor, out: dict[str, Tensor], keep: KeptGrads | None = None
-                     ) -> None:
-        """From the kept per-sample gradients, else one weight-gradient convolution per call
-        with ``weights`` folded into the output gradients."""
-        kept = keep.get(module, "weight") if keep is not None else None
-        if kept is not None and "weight" in out:
-            contract_samples(out["weight"], kept, weights)
-            out = {n: t for n, t in out.items() if n != "weight"}
-        conv_weighted_sum(module, calls, weights, out)
+            add_grouped_conv_weight_grads(module, layer_input(call), call.backprop(), weight,
+                                          scale, i > 0)
+        if "bias" in out:
+            super().grad1(module, calls, scale, {"bias": out["bias"]})
 
     def kfac(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
              approx: Approx, spare: MutableMapping[str, Tensor] | None = None
@@ -261,73 +292,15 @@ class ConvRule(Rule):
         """``A [(G,) K(+1), K(+1)]`` from the patches (unfolded a chunk of samples at a time),
         ``G [(G,) Cout/G, Cout/G]``; the group dim only when ``groups > 1``."""
         ones = module.bias is not None and module.bias.requires_grad
-        inputs = [layer_input(c) for c in calls]
-        batch = inputs[0].shape[0]
+        patches = [unfolded(module, x, pad, padding)
+                   for x, _, pad, padding in (self.operands(module, c) for c in calls)]
+        batch = self.batch_size(module, calls[0])
         positions = sum(c.backprop()[0, 0].numel() for c in calls)
         per_sample = module.groups * positions * module.weight[0].numel()
-        chunks = ([conv_patches(module, x[start:stop]) for x in inputs]
+        chunks = ([p.build(start, stop) for p in patches]
                   for start, stop in sample_chunks(batch, per_sample))
         a = input_factor(chunks, batch, ones, approx, spare)
         passes = [[conv_output_grads(module, c.backprop()) for c in pass_calls]
                   for pass_calls in split_passes(calls)]
         g = output_factor(passes, scale, approx, spare)
         return (a[0], g[0]) if module.groups == 1 else (a, g)
-
-    def hess(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
-             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Exact Gauss-Newton blocks from per-pass per-sample gradients."""
-        return hess_from_grad1(self, module, calls, scale, params)
-
-
-def conv_norms_squared(module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
-                       names: Sequence[str]) -> dict[str, Tensor]:
-    """``{name: [B]}`` squared per-sample norms (``scale`` included) of all calls together.
-
-    Weight: patches ``[B, G, T, K]`` and grads ``[B, G, T, Cout/G]`` of every call joined
-    along positions, then :func:`~.ghost.weight_norms_squared` (``|a|^2|g|^2`` for one
-    position, ghost norm when ``2 T^2 < K Cout/G``, else materialized), a chunk of samples
-    at a time so the patch buffer stays about ``PATCH_CHUNK_ELEMENTS`` numbers.
-    """
-    grads = [conv_output_grads(module, c.backprop()) for c in calls]
-    batch, groups = grads[0].shape[0], module.groups
-    result = {}
-    if "bias" in names:
-        result["bias"] = bias_norms_squared(concat_positions(grads)).mul_(scale * scale)
-    if "weight" in names:
-        acts = [layer_input(c) for c in calls]
-        positions = sum(g.shape[2] for g in grads)
-        k = module.weight[0].numel()
-        method = choose_method(positions, k, grads[0].shape[3])
-        norms = grads[0].new_empty(batch)
-        for start, stop in chunk_ranges(batch, groups * positions * k):
-            patches = concat_positions([conv_patches(module, a[start:stop]) for a in acts])
-            chunk_grads = concat_positions([g[start:stop] for g in grads])
-            norms[start:stop] = weight_norms_squared(patches, chunk_grads, method)
-        result["weight"] = norms.mul_(scale * scale)
-    return result
-
-
-def conv_weighted_sum(module: nn.modules.conv._ConvNd, calls: Sequence[Call], weights: Tensor,
-                      out: dict[str, Tensor]) -> None:
-    """``out[name] = sum_b weights[b] grad1_b`` (captured scale): the weight gradient of the
-    convolution with each sample's output gradient multiplied by its weight (no unfold)."""
-    weight, bias = out.get("weight"), out.get("bias")
-    zero_padding = module.padding_mode == "zeros" and not isinstance(module.padding, str)
-    for i, call in enumerate(calls):
-        grad_output = call.backprop()
-        w = weights.to(grad_output.dtype).view(-1, *([1] * (grad_output.dim() - 1)))
-        if weight is not None:
-            x = layer_input(call)
-            if not zero_padding:
-                x = pad_conv_input(module, x)
-            padding = module.padding if zero_padding else (0,) * len(module.kernel_size)
-            _, summed, _ = torch.ops.aten.convolution_backward(
-                grad_output * w, x, module.weight, None, module.stride, padding,
-                module.dilation, False, (0,) * len(module.kernel_size), module.groups,
-                (False, True, False))
-            if i == 0:
-                weight.copy_(summed)
-            else:
-                weight.add_(summed)
-        if bias is not None:
-            weighted_bias_sum(bias, conv_output_grads(module, grad_output), weights, i > 0)

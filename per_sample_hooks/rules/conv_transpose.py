@@ -14,25 +14,19 @@ where ``inputs = conv_transpose_inputs(module, x)`` (``[B, G, T, Cin/G]``) and
 laid out as ``weight[g*Cin/G:(g+1)*Cin/G].reshape(Cin/G, K)``. This costs the same as the
 ordinary weight gradient: no zero-stuffing of the input (``prod(stride)`` times larger) and no
 cross-group product. ``output_padding`` and an explicit ``output_size`` only add output rows
-that no input position reaches; they are cropped before unfolding.
+that no input position reaches; they are cropped before unfolding. Everything else (forms,
+weighted sums by one weight-gradient convolution) is :class:`~.conv.ConvolutionRule`'s.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..capture import Call
-from .base import Rule, hess_from_grad1, register_rule
-from .conv import (
-    add_spatial_sums,
-    check_batched,
-    layer_input,
-    sample_chunks,
-    unfold_columns,
-)
-from .forms import add_outer_products
+from .base import register_rule
+from .conv import ConvolutionRule, layer_input, unfold_columns
 
 
 def crop_pad_grad_output(module: nn.modules.conv._ConvTransposeNd, grad_output: Tensor,
@@ -91,47 +85,16 @@ def conv_transpose_weight_factors(module: nn.modules.conv._ConvTransposeNd, x: T
             conv_transpose_patches(module, grad_output, x.shape[2:]))
 
 
-def add_conv_transpose_weight_grads(module: nn.modules.conv._ConvTransposeNd, x: Tensor,
-                                    grad_output: Tensor, out: Tensor, scale: float,
-                                    accumulate: bool) -> None:
-    """``out (+)= scale * per-sample weight gradients``; ``out [B, Cin, Cout/G, *k]``."""
-    batch, groups = x.shape[0], module.groups
-    in_per_group = module.in_channels // groups
-    weights = out.view(batch * groups, in_per_group, -1)
-    inputs = x.reshape(batch * groups, in_per_group, -1)
-    per_sample = weights.shape[2] * inputs.shape[2] * groups
-    spatial = x.shape[2:]
-    for start, stop in sample_chunks(batch, per_sample):
-        patches = conv_transpose_columns(module, grad_output[start:stop], spatial).flatten(0, 1)
-        rows = slice(start * groups, stop * groups)
-        add_outer_products(weights[rows], inputs[rows].transpose(1, 2), patches.transpose(1, 2),
-                           scale, accumulate)
-
-
 @register_rule(nn.ConvTranspose1d)
 @register_rule(nn.ConvTranspose2d)
 @register_rule(nn.ConvTranspose3d)
-class ConvTransposeRule(Rule):
+class ConvTransposeRule(ConvolutionRule):
     """ConvTranspose1d/2d/3d with any stride, padding, output_padding (or ``output_size`` in
     the forward), dilation, groups and bias."""
 
-    def check(self, module: nn.modules.conv._ConvTransposeNd, calls: Sequence[Call],
-              name: str) -> None:
-        check_batched(module, calls, name)
-
-    def grad1(self, module: nn.modules.conv._ConvTransposeNd, calls: Sequence[Call],
-              scale: float, out: dict[str, Tensor]) -> None:
-        weight, bias = out.get("weight"), out.get("bias")
-        for i, call in enumerate(calls):
-            grad_output = call.backprop()
-            if weight is not None:
-                add_conv_transpose_weight_grads(module, layer_input(call), grad_output, weight,
-                                                scale, i > 0)
-            if bias is not None:
-                add_spatial_sums(bias, grad_output, scale, i > 0)
-
-    def hess(self, module: nn.modules.conv._ConvTransposeNd, calls: Sequence[Call],
-             scale: float, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Exact Gauss-Newton blocks from per-pass per-sample gradients (:meth:`grad1`)."""
-        return hess_from_grad1(self, module, calls, scale, params)
-
+    def operands(self, module: nn.modules.conv._ConvTransposeNd, call: Call
+                 ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], None]:
+        """The output gradient is the convolution's input, the input its output gradient."""
+        x, grad_output = layer_input(call), call.backprop()
+        spatial = x.shape[2:]
+        return grad_output, x, lambda gy: crop_pad_grad_output(module, gy, spatial), None
