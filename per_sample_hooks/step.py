@@ -194,11 +194,12 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
     checks: each layer's hooked sum is projected from its rule's forms without being formed
-    (:func:`~.rules.forms.project_sum`), unless the per-sample gradients in ``kept``
-    (``kept_scale`` times them is as captured) hold all of the layer's and reading them costs
-    less (or the forms would re-run the layer); those are contracted, as a rule without forms
-    has its weighted sum with unit weights taken, each projected and dropped layer by layer;
-    then compared with autograd's gradients. Raises before anything is written."""
+    (:func:`~.rules.forms.project_sum`), except each parameter whose per-sample gradients
+    ``kept`` holds (``kept_scale`` times them is as captured) where reading them costs less,
+    or all of the layer's when it holds them all and the forms would re-run the layer; those
+    are contracted, as a rule without forms has its weighted sum with unit weights taken,
+    each projected and dropped layer by layer; then compared with autograd's gradients.
+    Raises before anything is written."""
     check = state.unseen
     if check is None:
         return
@@ -219,12 +220,14 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
         stored = {n: kept.get(layer.module, n) for n in wanted} if kept is not None else {}
         have_all = bool(stored) and all(t is not None for t in stored.values())
         if describes_forms(layer.rule) and not (have_all and layer.rule.forms_rerun):
-            forms = layer.rule.forms(layer.module, layer.calls, list(wanted))
-            reads = step.batch_size * sum(p.numel() for p in wanted.values())
-            if not have_all or N_PROBES * sum(map(projection_cost, forms.values())) < reads:
-                for n, parts in forms.items():
+            for n, parts in layer.rule.forms(layer.module, layer.calls, list(wanted)).items():
+                reads = step.batch_size * wanted[n].numel()
+                if stored.get(n) is None or N_PROBES * projection_cost(parts) < reads:
                     hooked.add_projection(wanted[n], project_sum(parts, check.probe(wanted[n])))
+                    del wanted[n]
+            if not wanted:
                 continue
+            have_all = True  # the rest is kept
         out = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
                for n, p in wanted.items()}
         ones = out[next(iter(out))].new_ones(step.batch_size)
