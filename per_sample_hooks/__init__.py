@@ -31,7 +31,7 @@ from .rules.conv_transpose import (
     conv_transpose_weight_factors,
 )
 from .rules.fallback import FallbackRule, Layout, register_layout
-from .rules.forms import Dense, Outer, Rows
+from .rules.forms import Dense, Outer, Rows, Unfolded
 
 __version__ = "0.1.0"
 
@@ -41,7 +41,7 @@ __all__ = [
     "RuleRegistry", "Call", "HookState", "PerSampleHooksError", "UnsupportedModuleError",
     "conv_patches", "conv_output_grads", "conv_weight_factors", "conv_transpose_patches",
     "conv_transpose_inputs", "conv_transpose_weight_factors",
-    "FallbackRule", "Layout", "register_layout", "Outer", "Rows", "Dense",
+    "FallbackRule", "Layout", "register_layout", "Outer", "Rows", "Dense", "Unfolded",
 ]
 __all__ += ["compute_norms", "clip_grads", "DPSGD"]
 __all__ += ["optim", "batch_hessian"]

@@ -6,10 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_norms_match, hooked_backward
 from test_conv import Reused as ReusedConv
-from test_conv import SeedCNNWithLoss, conv_setups
+from test_conv import ReusedWide3d, SeedCNNWithLoss, conv_setups
 from torch import nn
 
 import per_sample_hooks as psh
+import per_sample_hooks.norms as norms_module
 from ground_truth import sum_of_outputs
 from per_sample_hooks.rules import conv as conv_rule
 from per_sample_hooks.rules import forms, ghost
@@ -260,6 +261,25 @@ def test_conv_norms_each_path(path, loss_type, chunk):
                                loss_type=loss_type)
     finally:
         conv_rule.PATCH_CHUNK_ELEMENTS = old
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_wide_3d_conv_keeps_gradients_of_its_grouped_method(groups, monkeypatch):
+    """A 3d conv whose grad1 is the grouped convolution writes the per-sample gradients its
+    norms keep for clipping with that grad1 (not the forms' patches), exactly."""
+    grouped = []
+    method = conv_rule.add_grouped_conv_weight_grads
+    monkeypatch.setattr(conv_rule, "add_grouped_conv_weight_grads",
+                        lambda *args: grouped.append(1) or method(*args))
+    monkeypatch.setattr(norms_module, "KEEP_FRACTION", 100.0)  # keep everything
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 3, 4, 3, dtype=torch.double)
+    model = ReusedWide3d(groups).double()
+    hooked_backward(model, [x])
+    psh.compute_norms(model)
+    psh.remove_hooks(model)
+    assert grouped
+    assert_norms_match(model, [x])
 
 
 @settings(max_examples=25, deadline=None)
