@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .forms import Form, Outer
+from .forms import Form, Outer, by_parameter
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")
@@ -300,8 +300,5 @@ class MultiheadAttentionRule(Rule):
     def forms(self, module: nn.MultiheadAttention, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         """The attention recomputed once per call for all parameters in ``names``."""
-        result: dict[str, list[Form]] = {name: [] for name in names}
-        for call in calls:
-            for name, form in call_forms(module, call, names):
-                result[name].append(form)
-        return result
+        return by_parameter((pair for call in calls for pair in call_forms(module, call, names)),
+                            names)

@@ -22,7 +22,7 @@ mix of types is materialized once.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,15 @@ def concat_acts(parts: Sequence[Tensor | Unfolded]) -> Tensor | Unfolded:
     return Unfolded(lambda start, stop: torch.cat([b(start, stop) for b in builds], dim=2),
                     features(parts[0]),
                     min(a.elements for a in parts if isinstance(a, Unfolded)))
+
+
+def by_parameter(pairs: Iterable[tuple[str, Form]], names: Sequence[str]
+                 ) -> dict[str, list[Form]]:
+    """``(parameter name, form)`` pairs (of several calls) as ``{name: forms}`` for ``names``."""
+    result: dict[str, list[Form]] = {name: [] for name in names}
+    for name, form in pairs:
+        result[name].append(form)
+    return result
 
 
 def join(forms: Sequence[Form]) -> Form | None:

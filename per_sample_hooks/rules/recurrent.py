@@ -37,7 +37,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .forms import Form, Outer
+from .forms import Form, Outer, by_parameter
 
 
 @dataclass
@@ -378,11 +378,8 @@ class RecurrentRule(Rule):
     def forms(self, module: nn.RNNBase, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         """The recurrence re-run once per call for all parameters in ``names``."""
-        result: dict[str, list[Form]] = {name: [] for name in names}
-        for call in calls:
-            for name, form in call_forms(module, call, names):
-                result[name].append(form)
-        return result
+        return by_parameter((pair for call in calls for pair in call_forms(module, call, names)),
+                            names)
 
 
 for _module_type in (nn.RNN, nn.LSTM, nn.GRU):
