@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .forms import Form, Outer, by_parameter
+from .forms import Form, Outer, by_parameter, one_group
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")
@@ -215,7 +215,7 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
         grad_out = grad_out.transpose(0, 1)  # [B, L, E]
     terms: list[tuple[str, Outer]] = []
     if "out_proj.bias" in names:
-        terms.append(("out_proj.bias", outer(grad_out, None)))
+        terms.append(("out_proj.bias", one_group(grad_out, None)))
     backward = any(n in names for n in IN_PROJ)
     if "out_proj.weight" not in names and not backward:
         return terms
@@ -233,7 +233,7 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
     probs = torch.softmax(scores, -1)
     del scores
     if "out_proj.weight" in names:
-        terms.append(("out_proj.weight", outer(grad_out, merge_heads(probs @ v))))
+        terms.append(("out_proj.weight", one_group(grad_out, merge_heads(probs @ v))))
     if not backward:
         return terms
 
@@ -243,10 +243,10 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
     del probs
     if module.bias_k is not None:
         if "bias_k" in names:
-            terms.append(("bias_k", outer(grad_k.new_ones(batch, 1, 1),
+            terms.append(("bias_k", one_group(grad_k.new_ones(batch, 1, 1),
                                           grad_k[:, :, source].reshape(batch, 1, embed))))
         if "bias_v" in names:
-            terms.append(("bias_v", outer(grad_v.new_ones(batch, 1, 1),
+            terms.append(("bias_v", one_group(grad_v.new_ones(batch, 1, 1),
                                           grad_v[:, :, source].reshape(batch, 1, embed))))
     grad_k, grad_v = grad_k[:, :, :source], grad_v[:, :, :source]
     blocks = [slice(0, embed), slice(embed, 2 * embed), slice(2 * embed, 3 * embed)]
@@ -255,25 +255,20 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
         # [3, B, H, L, hd] -> [B, L, 3 * E] in one copy: one product for the whole weight
         merged = torch.stack([grad_q, grad_k, grad_v]).permute(1, 3, 0, 2, 4).flatten(2)
         if "in_proj_weight" in names:
-            terms.append(("in_proj_weight", outer(merged, inputs.query)))
+            terms.append(("in_proj_weight", one_group(merged, inputs.query)))
         if "in_proj_bias" in names:
-            terms.append(("in_proj_bias", outer(merged, None)))
+            terms.append(("in_proj_bias", one_group(merged, None)))
         return terms
     grads = [merge_heads(g) for g in (grad_q, grad_k, grad_v)]
     acts = (inputs.query, inputs.key, inputs.value)
     if "in_proj_weight" in names:
-        terms += [("in_proj_weight", outer(g, a, r)) for r, g, a in zip(blocks, grads, acts)]
+        terms += [("in_proj_weight", one_group(g, a, r)) for r, g, a in zip(blocks, grads, acts)]
     for name, grad, act in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), grads, acts):
         if name in names:
-            terms.append((name, outer(grad, act)))
+            terms.append((name, one_group(grad, act)))
     if "in_proj_bias" in names:
-        terms += [("in_proj_bias", outer(g, None, r)) for r, g in zip(blocks, grads)]
+        terms += [("in_proj_bias", one_group(g, None, r)) for r, g in zip(blocks, grads)]
     return terms
-
-
-def outer(grads: Tensor, acts: Tensor | None, block: slice | None = None) -> Outer:
-    """``grads [B, T, p]``, ``acts [B, T, d]`` as an :class:`~.forms.Outer` of one group."""
-    return Outer(grads.unsqueeze(1), None if acts is None else acts.unsqueeze(1), block)
 
 
 @register_rule(nn.MultiheadAttention)

@@ -120,6 +120,11 @@ def concat_acts(parts: Sequence[Tensor | Unfolded]) -> Tensor | Unfolded:
                     min(a.elements for a in parts if isinstance(a, Unfolded)))
 
 
+def one_group(grads: Tensor, acts: Tensor | None, block: slice | None = None) -> Outer:
+    """``grads [B, T, p]``, ``acts [B, T, d]`` (or None) as an :class:`Outer` of one group."""
+    return Outer(grads.unsqueeze(1), None if acts is None else acts.unsqueeze(1), block)
+
+
 def by_parameter(pairs: Iterable[tuple[str, Form]], names: Sequence[str]
                  ) -> dict[str, list[Form]]:
     """``(parameter name, form)`` pairs (of several calls) as ``{name: forms}`` for ``names``."""

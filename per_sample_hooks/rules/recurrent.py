@@ -37,7 +37,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from .base import Rule, register_rule
-from .forms import Form, Outer, by_parameter
+from .forms import Form, Outer, by_parameter, one_group
 
 
 @dataclass
@@ -282,19 +282,14 @@ def _hidden_forms(grads: Tensor, run: DirectionRun) -> list[Outer]:
     direction's order; the initial-state term is left out when it is zero."""
     states = run.states.detach()
     if run.reverse:
-        forms = [outer(grads[:, :-1], states[:, 1:])]
+        forms = [one_group(grads[:, :-1], states[:, 1:])]
         first_grads = grads[:, -1:]
     else:
-        forms = [outer(grads[:, 1:], states[:, :-1])]
+        forms = [one_group(grads[:, 1:], states[:, :-1])]
         first_grads = grads[:, :1]
     if run.h0 is not None:
-        forms.append(outer(first_grads, run.h0[:, None]))
+        forms.append(one_group(first_grads, run.h0[:, None]))
     return forms
-
-
-def outer(grads: Tensor, acts: Tensor | None) -> Outer:
-    """``grads [B, T, p]``, ``acts [B, T, d]`` as an :class:`~.forms.Outer` of one group."""
-    return Outer(grads.unsqueeze(1), None if acts is None else acts.unsqueeze(1))
 
 
 def _direction_forms(module: nn.RNNBase, run: DirectionRun, pre_grad: Tensor,
@@ -305,10 +300,10 @@ def _direction_forms(module: nn.RNNBase, run: DirectionRun, pre_grad: Tensor,
         hidden = module.hidden_size
         hidden_grad = pre_grad.clone()
         hidden_grad[..., 2 * hidden:] *= run.reset_gates
-    forms = {"w_ih": [outer(pre_grad, run.x.detach())], "w_hh": _hidden_forms(hidden_grad, run),
-             "b_ih": [outer(pre_grad, None)], "b_hh": [outer(hidden_grad, None)]}
+    forms = {"w_ih": [one_group(pre_grad, run.x.detach())], "w_hh": _hidden_forms(hidden_grad, run),
+             "b_ih": [one_group(pre_grad, None)], "b_hh": [one_group(hidden_grad, None)]}
     if projected_grad is not None:
-        forms["w_hr"] = [outer(projected_grad, run.projection_inputs)]
+        forms["w_hr"] = [one_group(projected_grad, run.projection_inputs)]
     return forms
 
 
