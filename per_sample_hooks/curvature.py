@@ -82,7 +82,10 @@ from torch import Tensor, nn
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .rules.base import split_passes
-from .rules.kronecker import Approx, check_approx
+from .rules.formed import FormedRule
+from .rules.forms import Form
+from .rules.kronecker import Approx, check_approx, weight_factors
+from .rules.second_order import add_gauss_newton, add_gram, add_squares
 from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names, prepare_step
 
 HessType = Literal["LeastSquares", "CrossEntropy"]
@@ -231,14 +234,6 @@ def _curvature_layers(step: Step) -> Iterator[LayerWork]:
             yield layer
 
 
-def _layer_error(layer: LayerWork, error: UnsupportedModuleError, unsupported: Unsupported,
-                 caller: str) -> None:
-    if unsupported == "raise":
-        raise UnsupportedModuleError(
-            f"{caller}: '{layer.name}': {error} Pass unsupported='skip' to leave such layers "
-            "out") from None
-
-
 def _check_unsupported(unsupported: str, caller: str) -> None:
     if unsupported not in ("raise", "skip"):
         raise ValueError(f"{caller}: unsupported must be 'raise' or 'skip', got {unsupported!r}")
@@ -246,27 +241,32 @@ def _check_unsupported(unsupported: str, caller: str) -> None:
 
 # ----------------------------------------------------------------------------- public
 
+def _pass_forms(layer: LayerWork, names: list[str]) -> list[dict[str, list[Form]]]:
+    """The forms of ``names`` in each captured backward pass."""
+    return [layer.rule.forms(layer.module, calls, names) for calls in split_passes(layer.calls)]
+
+
 @torch.no_grad()
 def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
                  unsupported: Unsupported = "raise") -> None:
     """Set ``p.hess`` (``[p.numel(), p.numel()]``, row-major flatten of ``p``) on every
-    trainable parameter of hooked Linear / Conv1d/2d/3d modules: the Gauss-Newton block of the
-    reduced loss for ``p`` (after :func:`backprop_hess`; the empirical Fisher block after an
-    ordinary backward). Weight and bias get separate blocks. ``unsupported="skip"`` leaves out
-    layers whose rule has no ``hess`` instead of raising."""
+    trainable parameter of hooked modules: the Gauss-Newton block of the reduced loss for
+    ``p`` (after :func:`backprop_hess`; the empirical Fisher block after an ordinary backward),
+    from the per-sample gradients of each pass, ``scale * sum_passes J^T J``. Weight and bias
+    get separate blocks. Every layer has them; ``unsupported`` is accepted as by the other
+    ``compute_*`` functions."""
     _check_unsupported(unsupported, "compute_hess")
     state, model_step = prepare_step(model, loss_type, "compute_hess")
     parameter_names(model, model_step, "compute_hess")  # refuses parameters shared by modules
     check_unseen_uses(state, model_step)
     for layer in _curvature_layers(model_step):
-        try:
-            blocks = layer.rule.hess(layer.module, layer.calls, model_step.scale,
-                                     layer.parameters)
-        except UnsupportedModuleError as error:
-            _layer_error(layer, error, unsupported, "compute_hess")
-            continue
-        for name, block in blocks.items():
-            layer.parameters[name].hess = block
+        passes = _pass_forms(layer, list(layer.parameters))
+        for name, p in layer.parameters.items():
+            block = p.new_zeros((p.numel(), p.numel()))
+            buffer = p.new_empty((model_step.batch_size, *p.shape))
+            for forms in passes:
+                add_gauss_newton(block, forms[name], buffer, model_step.scale)
+            p.hess = block
 
 
 @torch.no_grad()
@@ -279,7 +279,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     block of the reduced loss for the weight matrix with the bias as last column; grouped conv
     factors carry a leading ``groups`` dim). GGN / Fisher factors after :func:`backprop_hess`,
     empirical Fisher factors after an ordinary backward. ``unsupported="skip"`` leaves out
-    layers whose rule has no ``kfac`` instead of raising.
+    layers whose rule gives no Kronecker structure (:attr:`Rule.kronecker`) instead of raising.
     """
     check_approx(approx, "compute_kfac")
     _check_unsupported(unsupported, "compute_kfac")
@@ -289,12 +289,24 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     for layer in _curvature_layers(step):
         if "weight" not in layer.parameters and "weight" in layer.module._parameters:
             continue  # frozen weight
-        try:
-            spare = state.scratch.setdefault((layer.module, "kfac"), {})
-            factors[layer.module] = layer.rule.kfac(layer.module, layer.calls, step.scale,
-                                                    approx, spare)
-        except UnsupportedModuleError as error:
-            _layer_error(layer, error, unsupported, "compute_kfac")
+        if isinstance(layer.rule, FormedRule) or not layer.rule.kronecker:
+            why = ("its per-sample gradients were formed when its output gradient arrived "
+                   "(OutputEdges(model, form_on_arrival=True), as DPSGD does) and its input and "
+                   "output gradient were dropped: run an ordinary loss.backward(), or an "
+                   "OutputEdges without form_on_arrival, before compute_kfac."
+                   if isinstance(layer.rule, FormedRule) else
+                   f"its rule {type(layer.rule).__name__} gives no Kronecker structure (built "
+                   "in: Linear, Conv1d/2d/3d).")
+            if unsupported == "raise":
+                raise UnsupportedModuleError(
+                    f"compute_kfac: '{layer.name}': Kronecker factors are not available for "
+                    f"{type(layer.module).__name__}: {why} Pass unsupported='skip' to leave such "
+                    "layers out")
+            continue
+        passes = [forms["weight"] for forms in _pass_forms(layer, ["weight"])]
+        spare = state.scratch.setdefault((layer.module, "kfac"), {})
+        factors[layer.module] = weight_factors(passes, "bias" in layer.parameters, step.scale,
+                                               approx, spare)
     return factors
 
 
@@ -303,24 +315,21 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     """``{parameter name: sum_i g_i^2}`` (shape of the parameter), ``g_i`` sample i's gradient
     as in ``grad1``, summed over the captured passes too (after :func:`backprop_hess`: ``N``
     times the GGN diagonal of the mean loss). Divide by ``N`` for the empirical Fisher
-    diagonal of the mean loss. Names as in ``model.named_parameters()``. No per-sample
-    gradients for one-position Linear layers (``(G^2)^T (A^2)``); others materialize one
-    parameter at a time."""
+    diagonal of the mean loss. Names as in ``model.named_parameters()``. From the forms
+    (:func:`~.rules.second_order.add_squares`): no per-sample gradients for one-position
+    outer products, biases and embedding rows; others materialize one parameter at a time."""
     state, step = prepare_step(model, loss_type, "compute_fisher_diag")
     names = parameter_names(model, step, "compute_fisher_diag")
     check_unseen_uses(state, step)
     result = {}
     for layer in step.layers:
-        if not layer.calls:
-            for local, p in layer.parameters.items():
-                result[names[id(layer)][local]] = torch.zeros_like(p)
-            continue
-        if not layer.parameters:
-            continue
-        squared = layer.rule.sum_squared_grads(layer.module, layer.calls, step.scale,
-                                               layer.parameters)
-        for local, value in squared.items():
-            result[names[id(layer)][local]] = value
+        totals = {n: torch.zeros_like(p) for n, p in layer.parameters.items()}
+        if layer.calls and totals:
+            for forms in _pass_forms(layer, list(totals)):
+                for name, total in totals.items():
+                    add_squares(total, forms[name], step.batch_size)
+        for local, total in totals.items():
+            result[names[id(layer)][local]] = total.mul_(step.scale * step.scale)
     return result
 
 
@@ -356,19 +365,23 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
 @torch.no_grad()
 def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     """``[N, N]``: ``K_ij = <g_i, g_j>`` over every trainable parameter of hooked modules
-    (``g_i`` as in ``grad1``; summed over captured passes). One-position Linear layers:
-    ``(A A^T) * (G G^T)``; several positions: the ghost Gram where cheaper; other layers
-    materialize one parameter at a time."""
+    (``g_i`` as in ``grad1``; summed over captured passes). From the forms
+    (:func:`~.rules.second_order.add_gram`): one-position outer products ``(A A^T) * (G G^T)``,
+    several positions the ghost Gram where cheaper; others materialize one parameter at a
+    time."""
     state, step = prepare_step(model, loss_type, "compute_gram")
     parameter_names(model, step, "compute_gram")
     check_unseen_uses(state, step)
     total = None
     for layer in _curvature_layers(step):
-        gram = layer.rule.gram(layer.module, layer.calls, step.scale, layer.parameters)
-        total = gram if total is None else total.add_(gram)
+        for forms in _pass_forms(layer, list(layer.parameters)):
+            for name, p in layer.parameters.items():
+                if total is None:
+                    total = p.new_zeros((step.batch_size, step.batch_size))
+                add_gram(total, forms[name], p.shape, step.batch_size)
     if total is None:
-        total = torch.zeros(step.batch_size, step.batch_size)
-    return total
+        return torch.zeros(step.batch_size, step.batch_size)
+    return total.mul_(step.scale * step.scale)
 
 
 __all__ = ["backprop_hess", "compute_hess", "compute_kfac", "compute_fisher_diag",

@@ -434,16 +434,39 @@ def second_moment_models() -> dict[str, tuple[nn.Module, Tensor]]:
         "reuse_seq": (Twice(), torch.randn(6, 5, 4)),
         "conv": (nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.ReLU(), Flatten(),
                                nn.Linear(36, 2)), torch.randn(6, 2, 5, 5)),
+        "conv_transpose": (nn.Sequential(nn.ConvTranspose1d(2, 3, 3, stride=2), Flatten(),
+                                         nn.Linear(33, 2)), torch.randn(6, 2, 5)),
+        # rows (repeated tokens, a padding row), dense (LayerNorm), blocks (attention)
+        "tokens": (TokenModel(), torch.randint(7, (6, 5))),
+        "fallback": (nn.Sequential(nn.Linear(4, 3), Scaler()), torch.randn(6, 4)),
     }
 
 
-@pytest.mark.parametrize("name", ["mlp", "reuse_seq", "conv"])
-def test_second_moments_equal_grad1(name: str) -> None:
+class TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(7, 4, padding_idx=0)
+        self.norm = nn.LayerNorm(4)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.norm(self.embedding(tokens))
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("name", ["mlp", "reuse_seq", "conv", "conv_transpose", "tokens",
+                                  "fallback"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_second_moments_and_hess_equal_grad1(name: str, dtype: torch.dtype) -> None:
+    """Fisher diagonal, variance, Gram and Gauss-Newton blocks from the forms, against the
+    per-sample gradients of every layer family (rows, dense, attention blocks, fallback)."""
     model, x = second_moment_models()[name]
-    model, x = model.to(DT), x.to(DT)
+    model = model.to(dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
     y = torch.randint(2, (x.shape[0],))
     with psh.add_hooks(model):
-        for compute in ("grad1", "fisher", "variance", "gram"):
+        for compute in ("grad1", "fisher", "variance", "gram", "hess"):
             F.cross_entropy(model(x), y).backward()
             if compute == "grad1":
                 psh.compute_grad1(model)
@@ -452,14 +475,20 @@ def test_second_moments_equal_grad1(name: str) -> None:
                 fisher = psh.compute_fisher_diag(model)
             elif compute == "variance":
                 variance = psh.compute_grad_variance(model)
-            else:
+            elif compute == "gram":
                 gram = psh.compute_gram(model)
+            else:
+                psh.compute_hess(model)
+                hess = {n: p.hess for n, p in model.named_parameters()}
+    tolerance = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-6}
     assert fisher.keys() == variance.keys() == grads.keys()
     for n, g in grads.items():
-        torch.testing.assert_close(fisher[n], g.square().sum(0))
-        torch.testing.assert_close(variance[n], g.var(0, unbiased=False))
+        torch.testing.assert_close(fisher[n], g.square().sum(0), **tolerance)
+        torch.testing.assert_close(variance[n], g.var(0, unbiased=False), **tolerance)
+        flat = g.flatten(1)
+        torch.testing.assert_close(hess[n], flat.t() @ flat / len(flat), **tolerance)
     flat = torch.cat([g.flatten(1) for g in grads.values()], 1)
-    torch.testing.assert_close(gram, flat @ flat.t())
+    torch.testing.assert_close(gram, flat @ flat.t(), **tolerance)
 
 
 def test_fisher_diag_after_backprop_hess_is_batch_times_hess_diagonal() -> None:
@@ -523,8 +552,9 @@ def test_errors() -> None:
         psh.backprop_hess(model(x), "CrossEntropy")
         assert set(psh.compute_kfac(model, unsupported="skip")) == {model[0]}
         psh.backprop_hess(model(x), "CrossEntropy")
-        with pytest.raises(UnsupportedModuleError, match="not available for Scaler"):
-            psh.compute_hess(model)
+        psh.compute_hess(model)  # every layer has Gauss-Newton blocks (here: the fallback's)
+        torch.testing.assert_close(model[1].w.hess, exact_block(
+            model, "1.w", x, targets("CrossEntropy", 2, 3), "CrossEntropy"))
     with pytest.raises(ValueError, match="batch, classes"):
         psh.backprop_hess(torch.randn(2, 3, 4, requires_grad=True), "CrossEntropy")
 

@@ -7,13 +7,13 @@ loss, 1 for a sum loss), and knows nothing about hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from torch import Tensor, nn
 
 from ..capture import Call
-from ..errors import PerSampleHooksError, UnsupportedModuleError
+from ..errors import PerSampleHooksError
 from . import forms
 from .forms import Dense, Form, contract_samples
 from .ghost import sum_of_squares
@@ -81,6 +81,11 @@ class Rule:
     #: unit, as it does fallback units: its descendants are not hooked, its parameters are
     #: ``unit_parameters(module)`` and its outputs are isolated copies.
     covers_children: bool = False
+
+    #: The weight's forms are ``Outer(output gradients, layer inputs)``, one per call, with any
+    #: bias's ``Outer(output gradients)``: Kronecker factors (KFAC) are their second moments
+    #: (:func:`.kronecker.weight_factors`).
+    kronecker: bool = False
 
     #: :meth:`forms` re-runs part of the layer (attention, recurrence): a caller that holds
     #: the layer's per-sample gradients already reads those instead.
@@ -176,55 +181,6 @@ class Rule:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
         cannot give exact per-sample quantities (``name`` is the module's path)."""
 
-    # ---------------------------------------------------------------- curvature
-    # ``calls`` may hold several backward passes (``Call.backprops``): one per row of the loss
-    # Hessian's square root after ``backprop_hess``, one after an ordinary backward. Curvature
-    # sums over passes; ``scale`` is the batch size (mean loss) or 1 (sum loss), so that
-    # ``scale * captured`` is the per-sample quantity in the units of ``grad1``.
-
-    def kfac(self, module: nn.Module, calls: Sequence[Call], scale: float, approx: str,
-             spare: MutableMapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """Kronecker factors ``(A, G)`` of the layer (see :mod:`per_sample_hooks.curvature`
-        for the layout and scaling contract). ``spare``: the caller's storage for this module,
-        kept across steps, from which factors nobody holds any more are reused. No default: a
-        layer needs a matrix view of its weight for Kronecker factors to make sense."""
-        raise UnsupportedModuleError(
-            f"Kronecker factors (kfac) are not available for {type(module).__name__}: its rule "
-            f"{type(self).__name__} defines no kfac method (built in: Linear, Conv1d/2d/3d)")
-
-    def hess(self, module: nn.Module, calls: Sequence[Call], scale: float,
-             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """``{name: [n, n]}`` (``n = param.numel()``): the Gauss-Newton block of the reduced
-        loss for each parameter, from the captured passes. No default; rules whose
-        :meth:`grad1` is exact per pass opt in with ``return hess_from_grad1(self, ...)``."""
-        raise UnsupportedModuleError(
-            f"Hessian blocks (hess) are not available for {type(module).__name__}: its rule "
-            f"{type(self).__name__} defines no hess method (built in: Linear, Conv1d/2d/3d)")
-
-    def sum_squared_grads(self, module: nn.Module, calls: Sequence[Call], scale: float,
-                          params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """``{name: param.shape}``: ``sum_i sum_passes grad1_i^2`` (per-sample gradients of
-        each pass, ``scale`` included). Default: materialize one parameter at a time, free."""
-        result = {}
-        for name, _, pass_grads in _materialized_passes(self, module, calls, params):
-            total = None
-            for per_sample in pass_grads:
-                squared = per_sample.square().sum(0)
-                total = squared if total is None else total.add_(squared)
-            result[name] = total.mul_(scale * scale)
-        return result
-
-    def gram(self, module: nn.Module, calls: Sequence[Call], scale: float,
-             params: Mapping[str, Tensor]) -> Tensor:
-        """``[B, B]``: ``sum_params sum_passes <grad1_i, grad1_j>`` (``scale`` included).
-        Default: materialize one parameter at a time, one matmul, free."""
-        total = None
-        for _, batch, pass_grads in _materialized_passes(self, module, calls, params):
-            for per_sample in pass_grads:
-                flat = per_sample.reshape(batch, -1)
-                total = flat @ flat.t() if total is None else total.addmm_(flat, flat.t())
-        return total.mul_(scale * scale)
-
 
 def describes_forms(rule: Rule) -> bool:
     """Whether ``rule`` gives its forms itself (not by materializing its :meth:`Rule.grad1`)."""
@@ -255,40 +211,6 @@ def split_passes(calls: Sequence[Call]) -> list[list[Call]]:
     if n <= 1:  # one pass (or per-sample gradients formed on arrival, their records dropped)
         return [list(calls)] if calls else []
     return [[single_pass(c, k) for c in calls] for k in range(n)]
-
-
-def _materialized_passes(rule: Rule, module: nn.Module, calls: Sequence[Call],
-                         params: Mapping[str, Tensor]
-                         ) -> Iterator[tuple[str, int, Iterator[Tensor]]]:
-    """For each parameter: ``(name, B, per-pass per-sample gradients [B, *param.shape])``,
-    captured scale, one reused temporary per parameter."""
-    batch = rule.batch_size(module, calls[0])
-    passes = split_passes(calls)
-    for name, param in params.items():
-        buffer = param.new_empty((batch, *param.shape))
-
-        def each_pass(name: str = name, buffer: Tensor = buffer) -> Iterator[Tensor]:
-            for pass_calls in passes:
-                rule.grad1(module, pass_calls, 1.0, {name: buffer})
-                yield buffer
-        yield name, batch, each_pass()
-
-
-def hess_from_grad1(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: float,
-                    params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Exact Gauss-Newton blocks from per-pass per-sample gradients ``J_i`` (``[B, n]`` each):
-    ``scale * sum_passes J^T J`` (captured scale, so ``(1/B) sum_i x_i x_i^T`` for a mean
-    loss, ``x_i`` sample i's gradient of the pass). Exact for any rule whose :meth:`grad1` is
-    exact; costs ``B n^2`` per pass."""
-    result = {}
-    for name, batch, pass_grads in _materialized_passes(rule, module, calls, params):
-        n = params[name].numel()
-        block = params[name].new_zeros((n, n))
-        for per_sample in pass_grads:
-            flat = per_sample.reshape(batch, n)
-            block.addmm_(flat.t(), flat, alpha=scale)
-        result[name] = block
-    return result
 
 
 R = TypeVar("R", bound=Rule)

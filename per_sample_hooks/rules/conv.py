@@ -27,7 +27,7 @@ transposed convolutions share (their weight gradient is that of a convolution to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -36,9 +36,8 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from .base import KeptGrads, Rule, hess_from_grad1, register_rule, split_passes
+from .base import KeptGrads, Rule, register_rule
 from .forms import Form, Outer, Unfolded
-from .kronecker import Approx, input_factor, output_factor
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""
@@ -113,13 +112,6 @@ def conv_weight_factors(module: nn.modules.conv._ConvNd, x: Tensor, grad_output:
     alike. Materializes the patches of the whole batch: slice the batch for large inputs.
     """
     return conv_output_grads(module, grad_output), conv_patches(module, x)
-
-
-def sample_chunks(batch: int, per_sample: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` ranges over the batch holding about ``PATCH_CHUNK_ELEMENTS`` numbers."""
-    size = max(1, PATCH_CHUNK_ELEMENTS // max(1, per_sample))
-    for start in range(0, batch, size):
-        yield start, min(batch, start + size)
 
 
 def unfolded(module: nn.modules.conv._ConvNd, x: Tensor, pad: Callable[[Tensor], Tensor],
@@ -253,11 +245,6 @@ class ConvolutionRule(Rule):
         if out:
             super().weighted_sum(module, calls, weights, out, keep)
 
-    def hess(self, module: nn.Module, calls: Sequence[Call], scale: float,
-             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Exact Gauss-Newton blocks from per-pass per-sample gradients."""
-        return hess_from_grad1(self, module, calls, scale, params)
-
 
 @register_rule(nn.Conv1d)
 @register_rule(nn.Conv2d)
@@ -265,6 +252,8 @@ class ConvolutionRule(Rule):
 class ConvRule(ConvolutionRule):
     """Conv1d/2d/3d with any stride, padding (ints, tuples, "same", "valid"), padding_mode,
     dilation, groups (depthwise included) and bias."""
+
+    kronecker = True
 
     def operands(self, module: nn.modules.conv._ConvNd, call: Call
                  ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], Sequence[int] | None]:
@@ -285,22 +274,3 @@ class ConvRule(ConvolutionRule):
                                           scale, i > 0)
         if "bias" in out:
             super().grad1(module, calls, scale, {"bias": out["bias"]})
-
-    def kfac(self, module: nn.modules.conv._ConvNd, calls: Sequence[Call], scale: float,
-             approx: Approx, spare: MutableMapping[str, Tensor] | None = None
-             ) -> tuple[Tensor, Tensor]:
-        """``A [(G,) K(+1), K(+1)]`` from the patches (unfolded a chunk of samples at a time),
-        ``G [(G,) Cout/G, Cout/G]``; the group dim only when ``groups > 1``."""
-        ones = module.bias is not None and module.bias.requires_grad
-        patches = [unfolded(module, x, pad, padding)
-                   for x, _, pad, padding in (self.operands(module, c) for c in calls)]
-        batch = self.batch_size(module, calls[0])
-        positions = sum(c.backprop()[0, 0].numel() for c in calls)
-        per_sample = module.groups * positions * module.weight[0].numel()
-        chunks = ([p.build(start, stop) for p in patches]
-                  for start, stop in sample_chunks(batch, per_sample))
-        a = input_factor(chunks, batch, ones, approx, spare)
-        passes = [[conv_output_grads(module, c.backprop()) for c in pass_calls]
-                  for pass_calls in split_passes(calls)]
-        g = output_factor(passes, scale, approx, spare)
-        return (a[0], g[0]) if module.groups == 1 else (a, g)

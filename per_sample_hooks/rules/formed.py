@@ -5,13 +5,12 @@ gradient were dropped then, so everything comes from those ``[B, *param.shape]``
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor, nn
 
 from ..capture import Call
-from ..errors import UnsupportedModuleError
-from .base import Rule, hess_from_grad1
+from .base import Rule
 from .forms import Dense, Form
 
 
@@ -28,16 +27,3 @@ class FormedRule(Rule):
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         return {n: [Dense(self.per_sample[n])] for n in names}
-
-    def hess(self, module: nn.Module, calls: Sequence[Call], scale: float,
-             params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return hess_from_grad1(self, module, calls, scale, params)
-
-    def kfac(self, module: nn.Module, calls: Sequence[Call], scale: float, approx: str,
-             spare: MutableMapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        raise UnsupportedModuleError(
-            f"Kronecker factors are not available for this {type(module).__name__}: its "
-            "per-sample gradients were formed when its output gradient arrived "
-            "(OutputEdges(model, form_on_arrival=True), as DPSGD does) and its input and "
-            "output gradient were dropped. Run an ordinary loss.backward(), or an "
-            "OutputEdges without form_on_arrival, before compute_kfac")

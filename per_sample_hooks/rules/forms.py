@@ -295,12 +295,9 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
     if isinstance(form, Dense):
         return sum_of_squares(form.per_sample)
     if isinstance(form, Rows):
-        keys = form.samples * form.num_rows + form.rows
-        distinct, pair = torch.unique(keys, return_inverse=True)
-        rows = form.values.new_zeros(len(distinct), form.values.shape[1])
-        rows.index_add_(0, pair, form.values)
+        keys, rows = summed_rows(form)
         squared = torch.linalg.vector_norm(rows, dim=1).square_()
-        return form.values.new_zeros(batch).index_add_(0, distinct // form.num_rows, squared)
+        return form.values.new_zeros(batch).index_add_(0, keys // form.num_rows, squared)
     if form.acts is None:
         return bias_norms_squared(form.grads)
     if isinstance(form.acts, Tensor):
@@ -310,6 +307,15 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
     for samples, acts in act_chunks(form):
         result[samples] = weight_norms_squared(acts, form.grads[samples], method)
     return result
+
+
+def summed_rows(form: Rows) -> tuple[Tensor, Tensor]:
+    """``(keys [K], values [K, w])``: the values of equal ``sample * num_rows + row`` keys
+    summed (a sample's gradient has one value per row it hits)."""
+    keys = form.samples * form.num_rows + form.rows
+    distinct, pair = torch.unique(keys, return_inverse=True)
+    rows = form.values.new_zeros(len(distinct), form.values.shape[1])
+    return distinct, rows.index_add_(0, pair, form.values)
 
 
 def flat_shape(forms: Sequence[Form], batch: int) -> tuple[int, int]:

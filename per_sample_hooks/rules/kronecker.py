@@ -35,6 +35,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .forms import Outer, act_chunks, join
+
 Approx = Literal["expand", "reduce"]
 APPROXIMATIONS = ("expand", "reduce")
 
@@ -173,6 +175,20 @@ def output_factor(passes: Iterable[Sequence[Tensor]], scale: float, approx: Appr
             add_gram(acc, rows, None, scale, beta)
             beta = 1.0
     return as_grouped(acc, rows)
+
+
+def weight_factors(passes: Sequence[Sequence[Outer]], ones: bool, scale: float, approx: Approx,
+                   spare: MutableMapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """``(A, G)`` of a weight whose forms are ``Outer(output gradients, layer inputs)``, one
+    list of forms (one per call) per backward pass: ``A`` from the inputs (a chunk of samples
+    at a time when built lazily), ``G`` from every pass's output gradients; ``ones`` appends
+    the coordinate of a trainable bias. ``[(Gr,) F, F]``: the group dim only when
+    ``Gr > 1``."""
+    first = join(passes[0])
+    chunks = ([acts] for _, acts in act_chunks(first, reduce=False))
+    a = input_factor(chunks, first.grads.shape[0], ones, approx, spare)
+    g = output_factor([[join(forms).grads] for forms in passes], scale, approx, spare)
+    return (a[0], g[0]) if first.grads.shape[1] == 1 else (a, g)
 
 
 def check_approx(approx: str, caller: str) -> None:
