@@ -151,10 +151,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         for n, p in module.named_parameters(recurse=module in unit_modules):
             if p.requires_grad:
                 owners.setdefault(p, f"{prefix}{n}")
-    state = HookState(model, modules)
-    state.rules = rules
-    state.units = unit_modules
-    state.isolate_outputs = unit_modules
+    state = HookState(model, modules, rules, unit_modules)
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)
@@ -230,7 +227,7 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     shared: list[tuple[Tensor, Tensor]] = []  # a parameter of several modules: summed at the end
     empty = step.batch_size == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
-        out = {name: state.buffer(layer.module, name, step.batch_size, p)
+        out = {name: state.storage.get(layer.module, name, step.batch_size, p)
                for name, p in layer.parameters.items()}
         _drop_frozen_grad1(state, layer)
         if not out:

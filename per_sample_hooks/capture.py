@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -198,32 +199,79 @@ _live_states: weakref.WeakSet[HookState] = weakref.WeakSet()
 no captured data: each model's records live in its own HookState."""
 
 
-class HookState:
-    """All capture state of one hooked model. Returned by ``add_hooks``; a context manager."""
+class Buffers:
+    """Storage reused across steps, per ``(module, purpose)``: per-sample buffers, persistent or
+    held for one step, and add-ons' scratch tensors (opaque here)."""
 
-    def __init__(self, model: nn.Module, modules: dict[nn.Module, tuple[str, int]]):
+    def __init__(self) -> None:
+        self._persistent: dict[tuple[nn.Module, str], Tensor] = {}
+        self._step: dict[tuple[nn.Module, str], Tensor] = {}
+        self._scratch: dict[tuple[nn.Module, str], dict[str, Tensor]] = {}
+
+    def get(self, module: nn.Module, name: str, batch_size: int, param: Tensor,
+            step_only: bool = False) -> Tensor:
+        """A ``[batch_size, *param.shape]`` buffer reused across steps, never zeroed.
+
+        A smaller batch than before gets a view of the first rows of the existing buffer.
+        ``step_only``: held until :meth:`end_step` (the next step's first forward), not through
+        the next step's forward and backward.
+        """
+        key = (module, name)
+        table = self._step if step_only else self._persistent
+        buf = table.get(key)
+        if (buf is None or buf.shape[1:] != param.shape or buf.shape[0] < batch_size
+                or buf.dtype != param.dtype or buf.device != param.device):
+            buf = torch.empty((batch_size, *param.shape), dtype=param.dtype, device=param.device)
+            table[key] = buf
+        return buf if buf.shape[0] == batch_size else buf[:batch_size]
+
+    def scratch(self, module: nn.Module, purpose: str) -> dict[str, Tensor]:
+        """A dict an add-on fills with tensors it reuses across steps for ``module``."""
+        return self._scratch.setdefault((module, purpose), {})
+
+    def held(self, step_only: bool = False) -> list[tuple[nn.Module, str]]:
+        """The ``(module, name)`` keys of the buffers held (for one step: ``step_only``)."""
+        return list(self._step if step_only else self._persistent)
+
+    def end_step(self) -> None:
+        """Free the buffers held for one step."""
+        self._step.clear()
+
+    def clear(self) -> None:
+        self._persistent.clear()
+        self._step.clear()
+        self._scratch.clear()
+
+
+class HookState:
+    """All capture state of one hooked model. Returned by ``add_hooks``; a context manager.
+
+    ``modules``: module -> (qualified name, batch dim); ``rules``: module -> its rule (opaque
+    here); ``units``: modules whose parameters include their children's and whose outputs are
+    returned as copies, so that a unit's captured gradient is the one from outside it only.
+    Written outside this file: ``enabled`` (pausing capture), ``unseen`` (set once by
+    ``add_hooks``), ``on_gradient`` and ``on_clear`` (add-ons' callbacks).
+    """
+
+    def __init__(self, model: nn.Module, modules: dict[nn.Module, tuple[str, int]],
+                 rules: dict[nn.Module, Any], units: set[nn.Module]):
         self._model_ref = weakref.ref(model)
-        self.modules = modules  # module -> (qualified name, batch dim)
+        self.modules = modules
+        self.rules = rules
+        self.units = units
         self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
+        self.storage = Buffers()
         self.enabled = True
-        self.consumed = False  # set by compute_*: the next forward starts a new step
+        self.unseen: Any = None  # the unseen-use check; opaque to capture
+        # step status, changed through end_step / release_records / the hooks
+        self.consumed = False  # a compute_* call ended the step: the next forward starts anew
         self.backward_seen = False  # a captured output received a gradient in this step
         self.forward_after_backward: str | None = None  # first module called after a backward
         self.released_by: str | None = None  # the call that dropped this step's records
-        self.buffers: dict[tuple[nn.Module, str], Tensor] = {}
-        self.step_buffers: dict[tuple[nn.Module, str], Tensor] = {}  # freed by clear()
-        # storage add-ons reuse across steps, per (module, purpose); opaque to capture
-        self.scratch: dict[tuple[nn.Module, str], dict[str, Tensor]] = {}
         self.handles: list[Any] = []
-        self.rules: dict[nn.Module, Any] = {}  # filled by add_hooks; opaque to capture
-        self.unseen: Any = None  # the unseen-use check set by add_hooks; opaque to capture
-        self.units: set[nn.Module] = set()  # modules whose grad1 covers their children's params
-        # modules whose tensor outputs may be computed from one another: each is returned as a
-        # copy, so that its captured gradient is the one from outside the module only
-        self.isolate_outputs: set[nn.Module] = set()
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         # called as on_gradient(module, call) after a gradient of a call's output is captured
-        # (set for the length of a backward by an add-on; opaque to capture)
+        # (set for the length of a backward by an add-on)
         self.on_gradient: Callable[[nn.Module, Call], None] | None = None
         for module in modules:
             self.handles.append(module.register_forward_hook(ForwardHook(self, module),
@@ -256,7 +304,7 @@ class HookState:
             leaves, spec = tree_flatten(output)
             if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
                 return
-            if module in self.isolate_outputs:
+            if module in self.units:
                 leaves = [_isolated(t) for t in leaves]
                 output = tree_unflatten(leaves, spec)
         name, batch_dim = self.modules[owner]
@@ -280,7 +328,7 @@ class HookState:
         """Forget every captured call (buffers stay for reuse)."""
         for calls in self.calls.values():
             calls.clear()
-        self.step_buffers.clear()
+        self.storage.end_step()
         for reset in self.on_clear:
             reset()
         self.consumed = False
@@ -295,8 +343,7 @@ class HookState:
             handle.remove()
         self.handles.clear()
         self.clear()
-        self.buffers.clear()
-        self.scratch.clear()
+        self.storage.clear()
         for module in self.modules:
             for p in module.parameters(recurse=module in self.units):
                 for attribute in ("grad1", "hess"):
@@ -313,22 +360,23 @@ class HookState:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def buffer(self, module: nn.Module, name: str, batch_size: int, param: Tensor,
-               step_only: bool = False) -> Tensor:
-        """A persistent ``[batch_size, *param.shape]`` buffer reused across steps, never zeroed.
+    def end_step(self) -> None:
+        """This step is over (computed, or refused after its backward): the next forward
+        starts a new one."""
+        self.consumed = True
 
-        A smaller batch than before gets a view of the first rows of the existing buffer.
-        ``step_only``: held until the step's records are cleared (the next step's first
-        forward), not through the next step's forward and backward.
-        """
-        key = (module, name)
-        table = self.step_buffers if step_only else self.buffers
-        buf = table.get(key)
-        if (buf is None or buf.shape[1:] != param.shape or buf.shape[0] < batch_size
-                or buf.dtype != param.dtype or buf.device != param.device):
-            buf = torch.empty((batch_size, *param.shape), dtype=param.dtype, device=param.device)
-            table[key] = buf
-        return buf if buf.shape[0] == batch_size else buf[:batch_size]
+    def release_records(self, by: str) -> None:
+        """Mark this step's records as dropped by ``by`` (read again: refused, naming it)."""
+        self.released_by = by
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Capture nothing inside (a re-run of a module's forward)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
 
     def hooked_calls(self) -> Iterator[tuple[nn.Module, str, list[Call]]]:
         for module, (name, _) in self.modules.items():

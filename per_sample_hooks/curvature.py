@@ -304,7 +304,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
                     "layers out")
             continue
         passes = [forms["weight"] for forms in _pass_forms(layer, ["weight"])]
-        spare = state.scratch.setdefault((layer.module, "kfac"), {})
+        spare = state.storage.scratch(layer.module, "kfac")
         factors[layer.module] = weight_factors(passes, "bias" in layer.parameters, step.scale,
                                                approx, spare)
     return factors

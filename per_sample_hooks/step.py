@@ -72,7 +72,7 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
     except Exception:
         state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
         if state is not None and state.backward_seen:
-            state.consumed = True
+            state.end_step()
         raise
 
 
@@ -82,7 +82,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)
     if state.forward_after_backward is not None:
-        state.consumed = True  # this step is lost; the next forward starts a new one
+        state.end_step()  # this step is lost; the next forward starts a new one
         raise PerSampleHooksError(
             f"{caller}: '{state.forward_after_backward}' ran a forward pass after a backward "
             "pass of the same step (several forward+backward passes, e.g. gradient "
@@ -142,7 +142,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`")
     batch_size = next(iter(sizes))
     scale = float(batch_size) if loss_type == "mean" else 1.0
-    state.consumed = True
+    state.end_step()
     return state, Step(layers, batch_size, scale)
 
 
@@ -183,7 +183,7 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     dtype = parameter_dtype(module)
     if dtype is not None and call.has_other_float_dtype(dtype):
         call.cast_(dtype)
-    out = {n: state.buffer(module, f"formed {n}", batch, p, step_only=True)
+    out = {n: state.storage.get(module, f"formed {n}", batch, p, step_only=True)
            for n, p in params.items()}
     rule.grad1(module, [call], 1.0, out)
     call.release()

@@ -346,25 +346,21 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
     buffers = {n: cast(b).clone() for n, b in module.named_buffers()}
     weight = params[name].requires_grad_()
     total = torch.zeros_like(weight)
-    enabled, state.enabled = state.enabled, False
-    try:
-        with torch.enable_grad():
-            for call in calls:
-                leaves = [j for j, passes in enumerate(call.grads) if passes]
-                output = torch.func.functional_call(
-                    module, {**params, **buffers}, tree_map(cast, call.args),
-                    tree_map(cast, call.kwargs))
-                flat = tree_flatten(output)[0]
-                outputs = [flat[j] for j in leaves]
-                for k in range(max(len(call.grads[j]) for j in leaves)):
-                    seeds = [cast(call.grads[j][k]) if k < len(call.grads[j])
-                             else torch.zeros_like(outputs[i]) for i, j in enumerate(leaves)]
-                    (grad,) = torch.autograd.grad(outputs, weight, seeds, retain_graph=True,
-                                                  allow_unused=True)
-                    if grad is not None:
-                        total += grad
-    finally:
-        state.enabled = enabled
+    with state.paused(), torch.enable_grad():
+        for call in calls:
+            leaves = [j for j, passes in enumerate(call.grads) if passes]
+            output = torch.func.functional_call(
+                module, {**params, **buffers}, tree_map(cast, call.args),
+                tree_map(cast, call.kwargs))
+            flat = tree_flatten(output)[0]
+            outputs = [flat[j] for j in leaves]
+            for k in range(max(len(call.grads[j]) for j in leaves)):
+                seeds = [cast(call.grads[j][k]) if k < len(call.grads[j])
+                         else torch.zeros_like(outputs[i]) for i, j in enumerate(leaves)]
+                (grad,) = torch.autograd.grad(outputs, weight, seeds, retain_graph=True,
+                                              allow_unused=True)
+                if grad is not None:
+                    total += grad
     return total
 
 

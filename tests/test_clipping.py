@@ -296,7 +296,7 @@ def test_keeping_materialized_grads_is_used(keep, kept):
         state = psh.add_hooks(model)
         model(torch.randn(4, 2, 4, 4)).sum().backward()
         psh.clip_grads(model, 0.1)
-        names = {name for _, name in state.step_buffers}
+        names = {name for _, name in state.storage.held(step_only=True)}
         psh.remove_hooks(model)
     assert ("kept weight" in names) == kept
 

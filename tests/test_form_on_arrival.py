@@ -211,7 +211,7 @@ def test_released_records_give_the_same_clipping_and_refuse_a_second_read():
             torch.testing.assert_close(p.grad, expected[n], rtol=1e-10, atol=1e-12)
             p.grad = None
         state = get_state(model)
-        assert not state.step_buffers
+        assert not state.storage.held(step_only=True)
         assert all(c.args == () and not any(c.grads) and c.per_sample is None
                    for calls in state.calls.values() for c in calls)
         with pytest.raises(PerSampleHooksError, match="release_records"):

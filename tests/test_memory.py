@@ -63,7 +63,7 @@ def test_thousand_steps_keep_resident_memory_flat():
         readings = train(model, STEPS, generator, measure_every=100)
         gc.collect()
         captured = sum(len(calls) for calls in state.calls.values())
-        buffers = len(state.buffers)
+        buffers = len(state.storage.held())
     at_100, at_1000 = readings[0], readings[-1]
     print(f"\nRSS: step 100 {at_100:.1f} MB, step 1000 {at_1000:.1f} MB, growth "
           f"{at_1000 - at_100:+.1f} MB; every 100 steps: " + " ".join(f"{r:.1f}" for r in readings))
