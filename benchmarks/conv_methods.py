@@ -22,8 +22,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import per_sample_hooks as psh
-from per_sample_hooks.rules import conv, conv_transpose, forms
-from per_sample_hooks.rules.forms import Outer
+from per_sample_hooks import forms
+from per_sample_hooks.forms import Outer
+from per_sample_hooks.rules import conv, conv_transpose
 
 SHAPES = [
     ("Conv2d 1->32 k3, 28x28, B64 (seed 001)", nn.Conv2d(1, 32, 3), (64, 1, 28, 28)),

@@ -21,6 +21,7 @@ from .curvature import (
 )
 from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .forms import Dense, Outer, Rows, Unfolded
 from .hessian import batch_hessian
 from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
@@ -31,7 +32,6 @@ from .rules.conv_transpose import (
     conv_transpose_weight_factors,
 )
 from .rules.fallback import FallbackRule, Layout, register_layout
-from .rules.forms import Dense, Outer, Rows, Unfolded
 
 __version__ = "0.1.0"
 

@@ -81,11 +81,11 @@ from torch import Tensor, nn
 
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .forms import Form
+from .forms.kronecker import Approx, check_approx, weight_factors
+from .forms.second_order import add_gauss_newton, add_gram, add_squares
 from .rules.base import split_passes
 from .rules.formed import FormedRule
-from .rules.forms import Form
-from .rules.kronecker import Approx, check_approx, weight_factors
-from .rules.second_order import add_gauss_newton, add_gram, add_squares
 from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names, prepare_step
 
 HessType = Literal["LeastSquares", "CrossEntropy"]
@@ -316,7 +316,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     as in ``grad1``, summed over the captured passes too (after :func:`backprop_hess`: ``N``
     times the GGN diagonal of the mean loss). Divide by ``N`` for the empirical Fisher
     diagonal of the mean loss. Names as in ``model.named_parameters()``. From the forms
-    (:func:`~.rules.second_order.add_squares`): no per-sample gradients for one-position
+    (``forms.second_order.add_squares``): no per-sample gradients for one-position
     outer products, biases and embedding rows; others materialize one parameter at a time."""
     state, step = prepare_step(model, loss_type, "compute_fisher_diag")
     names = parameter_names(model, step, "compute_fisher_diag")
@@ -366,7 +366,7 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
 def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     """``[N, N]``: ``K_ij = <g_i, g_j>`` over every trainable parameter of hooked modules
     (``g_i`` as in ``grad1``; summed over captured passes). From the forms
-    (:func:`~.rules.second_order.add_gram`): one-position outer products ``(A A^T) * (G G^T)``,
+    (``forms.second_order.add_gram``): one-position outer products ``(A A^T) * (G G^T)``,
     several positions the ghost Gram where cheaper; others materialize one parameter at a
     time."""
     state, step = prepare_step(model, loss_type, "compute_gram")

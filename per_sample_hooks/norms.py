@@ -1,5 +1,5 @@
 """Per-sample gradient norms and DP clipping after one ordinary backward, without materializing
-per-sample gradients (each rule picks its cheapest exact path; see ``rules/ghost.py``).
+per-sample gradients (each rule picks its cheapest exact path; see ``forms/ghost.py``).
 
     add_hooks(model)
     loss = criterion(model(x), y)          # mean over the batch

@@ -16,11 +16,11 @@ from torch import Tensor, nn
 
 from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
 from .errors import PerSampleHooksError
+from .forms import project_sum, projection_cost
 from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
-from .rules.forms import project_sum, projection_cost
 from .unseen import N_PROBES, HookedSums
 
 LossType = Literal["mean", "sum"]
@@ -194,7 +194,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
     checks: each layer's hooked sum is projected from its rule's forms without being formed
-    (:func:`~.rules.forms.project_sum`), except each parameter whose per-sample gradients
+    (``forms.project_sum``), except each parameter whose per-sample gradients
     ``kept`` holds (``kept_scale`` times them is as captured) where reading them costs less,
     or all of the layer's when it holds them all and the forms would re-run the layer; those
     are contracted, as a rule without forms has its weighted sum with unit weights taken,

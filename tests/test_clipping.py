@@ -19,7 +19,7 @@ from torch import nn
 
 import per_sample_hooks as psh
 from per_sample_hooks import norms as norms_module
-from per_sample_hooks.rules import ghost
+from per_sample_hooks.forms import ghost
 
 KEEP_FRACTIONS = [0.0, norms_module.KEEP_FRACTION, 1e9]  # never, default, always
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 import per_sample_hooks as psh
 from per_sample_hooks.dp import OutputEdges
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
-from per_sample_hooks.rules.kronecker import ROW_ALIGN
+from per_sample_hooks.forms.kronecker import ROW_ALIGN
 
 DT = torch.float64
 

@@ -5,8 +5,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from per_sample_hooks.rules import forms
-from per_sample_hooks.rules.forms import Dense, Outer, Rows, Unfolded
+from per_sample_hooks import forms
+from per_sample_hooks.forms import Dense, Outer, Rows, Unfolded
 
 
 def dense_of(form, batch):

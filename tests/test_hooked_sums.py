@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import per_sample_hooks as psh
+from per_sample_hooks.forms import project_sum
 from per_sample_hooks.rules.base import describes_forms
-from per_sample_hooks.rules.forms import project_sum
 from per_sample_hooks.unseen import matrix_shape, project
 
 

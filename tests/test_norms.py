@@ -12,8 +12,9 @@ from torch import nn
 import per_sample_hooks as psh
 import per_sample_hooks.norms as norms_module
 from ground_truth import sum_of_outputs
+from per_sample_hooks import forms
+from per_sample_hooks.forms import ghost
 from per_sample_hooks.rules import conv as conv_rule
-from per_sample_hooks.rules import forms, ghost
 from per_sample_hooks.rules.embedding import token_rows
 
 METHODS = ["outer", "ghost", "materialize"]

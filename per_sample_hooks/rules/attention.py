@@ -16,7 +16,7 @@ the attention weights, the rule
    ``dk_b^T key_b``, ``dv_b^T value_b``; ``bias_k`` / ``bias_v`` get the gradient of their
    appended position.
 
-Every parameter's per-sample gradient is thus a sum of :class:`~.forms.Outer` forms,
+Every parameter's per-sample gradient is thus a sum of ``forms.Outer`` forms,
 ``G_b^T A_b`` over positions, some of them a block of rows, from which every quantity
 follows. The forward uses ``out_proj.weight`` without calling
 ``out_proj``, so the rule covers the children's parameters (``covers_children``).
@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
+from ..forms import Form, Outer, by_parameter, one_group
 from .base import Rule, register_rule
-from .forms import Form, Outer, by_parameter, one_group
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
            "bias_k", "bias_v")

@@ -12,11 +12,10 @@ from typing import TypeVar
 
 from torch import Tensor, nn
 
+from .. import forms
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from . import forms
-from .forms import Dense, Form, contract_samples
-from .ghost import sum_of_squares
+from ..forms import Dense, Form, contract_samples, sum_of_squares
 
 
 class KeptGrads:
@@ -66,7 +65,7 @@ class Rule:
     """Per-sample math for one layer family.
 
     A rule describes each parameter's per-sample gradient as forms (:meth:`forms`; see
-    :mod:`.forms`), from which every quantity is computed; or, for a layer with no such
+    ``forms``), from which every quantity is computed; or, for a layer with no such
     structure, writes the per-sample gradients (:meth:`grad1`), which are then its dense form.
     A rule may override a quantity it computes better than its forms do.
     """
@@ -84,7 +83,7 @@ class Rule:
 
     #: The weight's forms are ``Outer(output gradients, layer inputs)``, one per call, with any
     #: bias's ``Outer(output gradients)``: Kronecker factors (KFAC) are their second moments
-    #: (:func:`.kronecker.weight_factors`).
+    #: (``forms.kronecker.weight_factors``).
     kronecker: bool = False
 
     #: :meth:`forms` re-runs part of the layer (attention, recurrence): a caller that holds
@@ -127,7 +126,7 @@ class Rule:
         """``{name: [B]}``: squared L2 norm of each sample's gradient of each parameter in
         ``names``, i.e. of exactly what :meth:`grad1` writes (``scale`` included, so squared).
 
-        From the forms (:func:`.forms.norms_squared`); where that materializes per-sample
+        From the forms (``forms.norms_squared``); where that materializes per-sample
         gradients anyway, or building the forms again would re-run the layer
         (:attr:`forms_rerun`), into ``keep``'s buffer when granted (for :meth:`weighted_sum`)."""
         result = {}
@@ -164,7 +163,7 @@ class Rule:
         are and gets ``(1/B) sum_b c_b g_b``). ``out`` is fully overwritten.
 
         A contraction of the gradients kept by :meth:`norms_squared` in ``keep``, else one
-        product per form (:func:`.forms.weighted_sum`).
+        product per form (``forms.weighted_sum``).
         """
         rest = []
         for name, target in out.items():

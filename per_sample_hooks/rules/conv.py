@@ -12,8 +12,8 @@ with ``patches = conv_patches(module, x)`` (``[B, G, T, K]``) and
 Grouped and depthwise convolutions cost one small product per group; the cross-group
 ``Cout x Cin*prod(k)`` product is never formed.
 
-The rule's forms (:mod:`.forms`) are, per call, ``Outer(grads, patches)`` for the weight and
-``Outer(grads)`` for the bias, the patches :class:`~.forms.Unfolded`: built a few samples at a
+The rule's forms (``forms``) are, per call, ``Outer(grads, patches)`` for the weight and
+``Outer(grads)`` for the bias, the patches ``forms.Unfolded``: built a few samples at a
 time (about ``PATCH_CHUNK_ELEMENTS`` numbers), so the im2col buffer stays small and
 cache-resident instead of ``prod(k)`` times the input. Per-sample gradients are multiplied
 straight into the persistent ``[B, Cout, Cin/G, *k]`` buffer viewed as ``[B*G, Cout/G, K]``; on
@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
+from ..forms import Form, Outer, Unfolded
 from .base import KeptGrads, Rule, register_rule
-from .forms import Form, Outer, Unfolded
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""
@@ -198,7 +198,7 @@ def check_batched(module: nn.Module, calls: Sequence[Call], name: str) -> None:
 class ConvolutionRule(Rule):
     """What convolutions and transposed convolutions share: the weight gradient is the weight
     gradient of a convolution (:meth:`operands`), whose per-sample form is ``Outer(grads,
-    patches)``, the patches :class:`~.forms.Unfolded` (built a chunk of samples at a time,
+    patches)``, the patches ``forms.Unfolded`` (built a chunk of samples at a time,
     projected by a convolution); the bias's is ``Outer(grads)`` of the output gradients."""
 
     def operands(self, module: nn.Module, call: Call

@@ -1,7 +1,7 @@
 """nn.Embedding and nn.EmbeddingBag: per-sample gradients of a ``[V, d]`` table as scattered rows.
 
 A sample's table gradient is non-zero only at the rows its tokens hit. Both layers give the
-:class:`~.forms.Rows` form: entries ``(sample, row, value)`` on the table seen as ``[R, w]``
+``forms.Rows`` form: entries ``(sample, row, value)`` on the table seen as ``[R, w]``
 (``R w = V d``), sample ``b``'s gradient being the sum of its entries' values placed at their
 rows:
 
@@ -12,7 +12,7 @@ rows:
   max there, ``[V d, 1]``; the winners are recomputed by the same ``torch.embedding_bag``.
 
 Then, with ``N`` entries and no ``[B, V, d]`` tensor except for ``grad1`` itself, the form's
-quantities (:mod:`.forms`): per-sample gradients are one ``index_add`` into the zeroed buffer;
+quantities (``forms``): per-sample gradients are one ``index_add`` into the zeroed buffer;
 squared norms sum the values of equal (sample, row) keys (``unique`` + ``index_add``, O(N w))
 and reduce per sample; the weighted sum is one ``index_add`` of the weighted values.
 
@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
+from ..forms import Form, Rows
 from .base import Rule, register_rule
-from .forms import Form, Rows
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
@@ -59,7 +59,7 @@ def refuse_frequency_scaling(module: nn.Module, name: str) -> None:
 
 
 class RowsRule(Rule):
-    """Shared rule for layers whose weight gradient is :class:`~.forms.Rows` (parameter
+    """Shared rule for layers whose weight gradient is ``forms.Rows`` (parameter
     ``weight`` only): one form per call."""
 
     def rows(self, module: nn.Module, call: Call) -> Rows:

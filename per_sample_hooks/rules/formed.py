@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor, nn
 
 from ..capture import Call
+from ..forms import Dense, Form
 from .base import Rule
-from .forms import Dense, Form
 
 
 class FormedRule(Rule):

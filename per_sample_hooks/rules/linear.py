@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from ..capture import Call
+from ..forms import Form, Outer
 from .base import Rule, register_rule
-from .forms import Form, Outer
 
 
 def flatten_positions(t: Tensor) -> Tensor:

@@ -26,8 +26,8 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
+from ..forms import Dense, Form
 from .base import Rule, register_rule
-from .forms import Dense, Form
 
 
 def sums_channels_first(x_hat: Tensor | None, grads: Tensor) -> tuple[Tensor | None, Tensor]:

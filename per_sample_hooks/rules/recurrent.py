@@ -13,7 +13,7 @@ With ``P`` the gradients of the gate pre-activations (``[B, T, G]``) of one laye
 
 ``Q = P`` for RNN and LSTM; for GRU the ``n`` block of ``Q`` is ``P_n * r`` (the reset gate
 multiplies ``W_hn h + b_hn``). ``M`` is ``o * tanh(c)`` and ``D`` the gradient of the projected
-hidden state. These are the rule's :class:`~.forms.Outer` forms, from which every quantity
+hidden state. These are the rule's ``forms.Outer`` forms, from which every quantity
 follows. Everything is computed batch first; ``batch_first=False`` and unbatched inputs are
 converted inside the rule (``add_hooks``' ``batch_dim`` does not apply to these modules).
 
@@ -36,8 +36,8 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
+from ..forms import Form, Outer, by_parameter, one_group
 from .base import Rule, register_rule
-from .forms import Form, Outer, by_parameter, one_group
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .forms import Outer, act_chunks, join
+from .core import Outer, act_chunks, join
 
 Approx = Literal["expand", "reduce"]
 APPROXIMATIONS = ("expand", "reduce")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .forms import Dense, Form, Outer, Rows, has_blocks, join, summed_rows, write
+from .core import Dense, Form, Outer, Rows, has_blocks, join, summed_rows, write
 
 GHOST_GRAM_ELEMENTS = 1 << 22
 """Largest ``(B T)^2`` position-pair Gram the ghost Gram forms; beyond it, materialize."""
