@@ -373,6 +373,30 @@ def test_private_registry_leaves_the_default_alone():
     assert not psh.is_supported(Doubler(2, 2), fallback=False)
 
 
+def test_register_rule_by_name():
+    """A type named ``"module.path:ClassName"`` (an optional package's layer, registered without
+    importing it) matches that class and its subclasses that keep its forward; a rule
+    registered for the type itself takes precedence."""
+    class Shifted(Affine):
+        pass
+
+    class Overridden(Shifted):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    registry = psh.RuleRegistry()
+    assert registry.lookup(Shifted(2)) is None
+    psh.register_rule(f"{__name__}:{Shifted.__qualname__}", registry)(AffineGrad1Rule)
+    by_name = registry.lookup(Shifted(2))
+    assert isinstance(by_name, AffineGrad1Rule)
+    assert registry.lookup(type("Sub", (Shifted,), {})(2)) is by_name
+    assert registry.lookup(Overridden(2)) is None
+    psh.register_rule(Shifted, registry)(AffineRule)
+    assert isinstance(registry.lookup(Shifted(2)), AffineRule)
+    with pytest.raises(TypeError, match="module.path:ClassName"):
+        psh.register_rule("Shifted", registry)(AffineRule)
+
+
 # ----------------------------------------------------------------------------- buffers
 
 def test_buffers_persist_across_steps_and_serve_a_smaller_last_batch():

@@ -217,26 +217,45 @@ R = TypeVar("R", bound=Rule)
 
 class RuleRegistry:
     """Maps module types to rules. A subclass that keeps its parent's ``forward`` shares the
-    parent's rule; one that overrides ``forward`` needs a rule of its own."""
+    parent's rule; one that overrides ``forward`` needs a rule of its own.
+
+    A type may also be named ``"module.path:ClassName"`` (a layer of an optional package:
+    registering it imports nothing); it matches a class of that module and qualified name.
+    A type registered itself takes precedence over its name."""
 
     def __init__(self) -> None:
         self._rules: dict[type, Rule] = {}
+        self._named: dict[str, Rule] = {}
 
-    def register(self, module_type: type, rule: Rule) -> None:
-        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-            raise TypeError(f"register_rule expects an nn.Module subclass, got {module_type!r}")
+    def register(self, module_type: type | str, rule: Rule) -> None:
         if not isinstance(rule, Rule):
             raise TypeError(f"register_rule expects a Rule instance or subclass, got {rule!r}")
+        if isinstance(module_type, str):
+            path, _, name = module_type.partition(":")
+            if not (path and name):
+                raise TypeError("register_rule expects a type name as 'module.path:ClassName', "
+                                f"got {module_type!r}")
+            self._named[module_type] = rule
+            return
+        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+            raise TypeError(f"register_rule expects an nn.Module subclass, got {module_type!r}")
         self._rules[module_type] = rule
+
+    def _rule_of(self, module_type: type) -> Rule | None:
+        rule = self._rules.get(module_type)
+        if rule is None and self._named:
+            rule = self._named.get(f"{module_type.__module__}:{module_type.__qualname__}")
+        return rule
 
     def lookup(self, module: nn.Module) -> Rule | None:
         module_type = type(module)
-        rule = self._rules.get(module_type)
+        rule = self._rule_of(module_type)
         if rule is not None:
             return rule
         for base in module_type.__mro__[1:]:
-            if base in self._rules and getattr(base, "forward", None) is module_type.forward:
-                return self._rules[base]
+            rule = self._rule_of(base)
+            if rule is not None and getattr(base, "forward", None) is module_type.forward:
+                return rule
         return None
 
 
@@ -244,7 +263,7 @@ default_registry = RuleRegistry()
 """The registry ``add_hooks`` uses; built-in rules register here when the package is imported."""
 
 
-def register_rule(module_type: type, registry: RuleRegistry = default_registry
+def register_rule(module_type: type | str, registry: RuleRegistry = default_registry
                   ) -> Callable[[type[R] | R], type[R] | R]:
     """Class decorator registering a :class:`Rule` for ``module_type``::
 
@@ -252,7 +271,10 @@ def register_rule(module_type: type, registry: RuleRegistry = default_registry
         class MyLayerRule(Rule):
             def grad1(self, module, calls, scale, out): ...
 
-    Also accepts a rule instance: ``register_rule(MyLayer)(MyLayerRule())``.
+    Also accepts a rule instance: ``register_rule(MyLayer)(MyLayerRule())``, and a type by
+    name, ``register_rule("package.module:MyLayer")``, for a layer of a package that should
+    not be imported to register it (matched by its class's ``__module__`` and
+    ``__qualname__``).
     """
     def decorator(rule: type[R] | R) -> type[R] | R:
         registry.register(module_type, rule() if isinstance(rule, type) else rule)
