@@ -100,7 +100,9 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     state, step = prepare_step(model, loss_type, "compute_norms")
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
-    keep = _kept_grads(state, step)  # as clip_grads: batched, and read again by the check
+    # on a checked step the check reads again what the norms materialized; else nothing does
+    checked = state.unseen is not None and bool(state.unseen.totals)
+    keep = _kept_grads(state, step) if checked else None
     squared = _per_parameter_squared(model, step, "compute_norms", keep)
     check_unseen_uses(state, step, keep)
     norms = _total(squared, step.batch_size)
