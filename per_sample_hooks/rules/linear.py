@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..forms import Form, Outer
+from ..forms.core import add_outer_products, add_position_sums
 from .base import Rule, register_rule
 
 
@@ -24,6 +25,23 @@ def flatten_positions(t: Tensor) -> Tensor:
 @register_rule(nn.Linear)
 class LinearRule(Rule):
     kronecker = True
+
+    def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
+              out: dict[str, Tensor]) -> None:
+        """One call: the products :func:`~per_sample_hooks.forms.write` makes of
+        :meth:`forms`, made directly (the same operations, without building the forms: Python
+        overhead is most of a small layer's time); several calls: from the forms."""
+        if len(calls) != 1:
+            return super().grad1(module, calls, scale, out)
+        call = calls[0]
+        grads = flatten_positions(call.backprop())
+        for name, target in out.items():
+            if name == "weight":
+                acts = flatten_positions(call.activation())
+                add_outer_products(target, grads, acts, scale, False)
+            else:
+                add_position_sums(target, grads, scale, False)
+        return None
 
     def forms(self, module: nn.Linear, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
