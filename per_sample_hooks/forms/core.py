@@ -231,6 +231,26 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
     torch.mul(column, row, out=out)
 
 
+def write_one_position(out: Tensor, grads: Tensor, acts: Tensor | None, scale: float) -> None:
+    """``out[b] = scale * grads[b]^T acts[b]`` for ``grads [B, p]``, ``acts [B, d]`` (one
+    position), ``out = scale * grads`` for ``acts`` None (a bias): the products
+    :func:`add_outer_products` and :func:`add_position_sums` make of ``[B, 1, f]`` operands,
+    with fewer views (most of a small layer's time is Python and views)."""
+    if acts is None:
+        if scale != 1:
+            torch.mul(grads, scale, out=out)
+        else:
+            out.copy_(grads)
+        return
+    column, row = grads.unsqueeze(2), acts.unsqueeze(1)  # [B, p, 1], [B, 1, d]
+    if scale != 1:
+        if column.shape[1] <= row.shape[2]:
+            column = column * scale
+        else:
+            row = row * scale
+    torch.mul(column, row, out=out)
+
+
 def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool) -> None:
     """``out[b] (+)= scale * grads[b].sum(positions)`` for ``grads [B, T, p]``."""
     if grads.shape[1] == 1:

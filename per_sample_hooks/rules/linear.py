@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..forms import Form, Outer
-from ..forms.core import add_outer_products, add_position_sums
+from ..forms.core import add_outer_products, add_position_sums, write_one_position
 from .base import Rule, register_rule
 
 
@@ -34,11 +34,16 @@ class LinearRule(Rule):
         if len(calls) != 1:
             return super().grad1(module, calls, scale, out)
         call = calls[0]
-        grads = flatten_positions(call.backprop())
+        grads = call.backprop()
+        acts = call.activation() if "weight" in out else None
+        if grads.dim() == 2 and (acts is None or acts.dim() == 2):  # [B, f]: one position
+            for name, target in out.items():
+                write_one_position(target, grads, acts if name == "weight" else None, scale)
+            return None
+        grads = flatten_positions(grads)
         for name, target in out.items():
             if name == "weight":
-                acts = flatten_positions(call.activation())
-                add_outer_products(target, grads, acts, scale, False)
+                add_outer_products(target, grads, flatten_positions(acts), scale, False)
             else:
                 add_position_sums(target, grads, scale, False)
         return None
