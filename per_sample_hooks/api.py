@@ -223,31 +223,38 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     """
     state, step = prepare_step(model, loss_type, "compute_grad1")
     written: dict[tuple[int, str], Tensor] = {}
-    seen: dict[nn.Parameter, Tensor] = {}  # each parameter's grad1 buffer
+    seen: dict[int, Tensor] = {}  # id(parameter) -> its grad1 buffer (hashing a tensor is slow)
     shared: list[tuple[Tensor, Tensor]] = []  # a parameter of several modules: summed at the end
-    empty = step.batch_size == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
+    batch, scale = step.batch_size, step.scale
+    empty = batch == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
-        out = {name: state.storage.get(layer.module, name, step.batch_size, p)
-               for name, p in layer.parameters.items()}
+        module, params = layer.module, layer.parameters
+        out = {name: state.storage.get(module, name, batch, p) for name, p in params.items()}
         _drop_frozen_grad1(state, layer)
         if not out:
             continue
         if not empty:
             if layer.calls:
-                layer.rule.grad1(layer.module, layer.calls, step.scale, out)
+                layer.rule.grad1(module, layer.calls, scale, out)
             else:  # the module's output did not reach the loss: its per-sample gradients are zero
                 for buf in out.values():
                     buf.zero_()
-            written.update({(id(layer.module), n): buf for n, buf in out.items()})
+        key = id(module)
         for name, buf in out.items():
-            p = layer.parameters[name]
-            if p in seen:
-                shared.append((seen[p], buf))
-            else:
-                seen[p] = buf
+            if not empty:
+                written[(key, name)] = buf
+            p = params[name]
+            first = seen.get(id(p))
+            if first is None:
+                seen[id(p)] = buf
                 p.grad1 = buf
-    if not empty:  # the hooked sums from the buffers (captured scale: 1 / step.scale)
-        check_unseen_uses(state, step, KeptGrads.holding(written), 1.0 / step.scale)
+            else:
+                shared.append((first, buf))
+    check = state.unseen
+    if not empty and check is not None:  # the hooked sums from the buffers (captured scale:
+        # 1 / scale); what the buffers hold is only read on a step the check runs on
+        kept = KeptGrads.holding(written) if check.totals else None
+        check_unseen_uses(state, step, kept, 1.0 / scale)
     for first, buf in shared:
         first.add_(buf)
 

@@ -133,13 +133,15 @@ def _average(old: float | None, new: float) -> float:
 
 def captured_structure(state: HookState) -> tuple:
     """Which hooked modules were called this step (in the order of ``state.calls``), how many
-    times, with which batch sizes."""
-    def size(call: Call) -> int:
-        try:
-            return call.batch_size
-        except PerSampleHooksError:
-            return -1
-    return tuple(tuple(size(c) for c in calls) for calls in state.calls.values())
+    times, with which batch sizes (asked every step: list comprehensions, no closure)."""
+    return tuple([tuple([_call_size(c) for c in calls]) for calls in state.calls.values()])
+
+
+def _call_size(call: Call) -> int:
+    try:
+        return call.batch_size
+    except PerSampleHooksError:
+        return -1
 
 
 class UnseenUseCheck:
