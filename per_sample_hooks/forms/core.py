@@ -219,16 +219,10 @@ def add_outer_products(out: Tensor, grads: Tensor, acts: Tensor, scale: float, a
         torch.baddbmm(out, grads.transpose(1, 2), acts, beta=1 if accumulate else 0, alpha=scale,
                       out=out)
         return
-    column, row = grads.transpose(1, 2), acts  # [B, p, 1], [B, 1, d]
     if accumulate:
-        out.addcmul_(column, row, value=scale)
-        return
-    if scale != 1:
-        if column.shape[1] <= row.shape[2]:
-            column = column * scale
-        else:
-            row = row * scale
-    torch.mul(column, row, out=out)
+        out.addcmul_(grads.transpose(1, 2), acts, value=scale)
+    else:
+        write_one_position(out, grads[:, 0], acts[:, 0], scale)
 
 
 def write_one_position(out: Tensor, grads: Tensor, acts: Tensor | None, scale: float) -> None:
