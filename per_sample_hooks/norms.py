@@ -24,15 +24,14 @@ from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names,
 CLIP_EPSILON = 1e-6
 """``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
 
-KEEP_FRACTION = 1.0
+KEEP_FRACTION = 0.25
 """``clip_grads`` keeps per-sample gradients that a rule materializes for the norms (so that the
 clipped sum is a cheap contraction instead of a second product) up to this fraction of the
 number of elements the hooks captured (activations and output gradients), in buffers freed
 with the step's records; beyond it the clipped sum is recomputed by one matmul per layer.
-Measured (1 thread, after ``loss.backward()``): 1.0 against 0.25 takes clipping from 1.53x to
-1.34x a plain step on the T=256 token model (1.52x to 1.46x at T=64) with the same peak
-memory, which is the backward's: the kept buffers, at most the records' size, are made after
-the graph's saved tensors are freed."""
+Measured (1 thread, ``benchmarks.dp``): 1.0 took clipping after ``loss.backward()`` from 1.57x
+to 1.36x a plain step on the T=256 token model, but its peak memory from 1.34x to 1.82x (1.35x
+to 1.88x at T=64): the kept buffers come on top of the records."""
 
 
 def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
