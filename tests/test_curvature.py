@@ -7,6 +7,8 @@ output gradients). float64 throughout.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -460,11 +462,18 @@ class TokenModel(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_second_moments_and_hess_equal_grad1(name: str, dtype: torch.dtype) -> None:
     """Fisher diagonal, variance, Gram and Gauss-Newton blocks from the forms, against the
-    per-sample gradients of every layer family (rows, dense, attention blocks, fallback)."""
+    float64 per-sample loop, for every layer family (rows, dense, attention blocks,
+    fallback), computed in float64 and float32."""
     model, x = second_moment_models()[name]
+    y = torch.randint(2, (x.shape[0],))
+    reference = copy.deepcopy(model).double()  # the ground truth: one backward per sample
+    params = dict(reference.named_parameters())
+    wide = x.double() if x.is_floating_point() else x
+    per_sample = [torch.autograd.grad(F.cross_entropy(reference(wide[i:i + 1]), y[i:i + 1]),
+                                      list(params.values())) for i in range(len(x))]
+    loop = {n: torch.stack([g[j] for g in per_sample]) for j, n in enumerate(params)}
     model = model.to(dtype)
     x = x.to(dtype) if x.is_floating_point() else x
-    y = torch.randint(2, (x.shape[0],))
     with psh.add_hooks(model):
         for compute in ("grad1", "fisher", "variance", "gram", "hess"):
             F.cross_entropy(model(x), y).backward()
@@ -480,15 +489,20 @@ def test_second_moments_and_hess_equal_grad1(name: str, dtype: torch.dtype) -> N
             else:
                 psh.compute_hess(model)
                 hess = {n: p.hess for n, p in model.named_parameters()}
-    tolerance = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-6}
-    assert fisher.keys() == variance.keys() == grads.keys()
-    for n, g in grads.items():
-        torch.testing.assert_close(fisher[n], g.square().sum(0), **tolerance)
-        torch.testing.assert_close(variance[n], g.var(0, unbiased=False), **tolerance)
+    tolerance = {"rtol": 1e-9, "atol": 1e-12} if dtype == torch.float64 else \
+        {"rtol": 1e-4, "atol": 1e-6}
+
+    def close(actual: Tensor, expected: Tensor) -> None:
+        torch.testing.assert_close(actual, expected.to(dtype), **tolerance)
+    assert fisher.keys() == variance.keys() == grads.keys() == loop.keys()
+    for n, g in loop.items():
+        close(grads[n], g)
+        close(fisher[n], g.square().sum(0))
+        close(variance[n], g.var(0, unbiased=False))
         flat = g.flatten(1)
-        torch.testing.assert_close(hess[n], flat.t() @ flat / len(flat), **tolerance)
-    flat = torch.cat([g.flatten(1) for g in grads.values()], 1)
-    torch.testing.assert_close(gram, flat @ flat.t(), **tolerance)
+        close(hess[n], flat.t() @ flat / len(flat))
+    flat = torch.cat([g.flatten(1) for g in loop.values()], 1)
+    close(gram, flat @ flat.t())
 
 
 def test_fisher_diag_after_backprop_hess_is_batch_times_hess_diagonal() -> None:
