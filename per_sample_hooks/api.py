@@ -18,6 +18,7 @@ from .rules.fallback import FallbackRule
 from .step import (
     LayerWork,
     LossType,
+    check_compares,
     check_unseen_uses,
     owned_parameters,
     prepare_step,
@@ -250,10 +251,8 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
                 p.grad1 = buf
             else:
                 shared.append((first, buf))
-    check = state.unseen
-    if not empty and check is not None:  # the hooked sums from the buffers (captured scale:
-        # 1 / scale); what the buffers hold is only read on a step the check runs on
-        kept = KeptGrads.holding(written) if check.totals else None
+    if not empty:  # the hooked sums from the buffers (captured scale: 1 / scale)
+        kept = KeptGrads.holding(written) if check_compares(state) else None
         check_unseen_uses(state, step, kept, 1.0 / scale)
     for first, buf in shared:
         first.add_(buf)

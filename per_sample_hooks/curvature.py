@@ -289,7 +289,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     for layer in _curvature_layers(step):
         if "weight" not in layer.parameters and "weight" in layer.module._parameters:
             continue  # frozen weight
-        if isinstance(layer.rule, FormedRule) or not layer.rule.kronecker:
+        if not layer.rule.kronecker:
             why = ("its per-sample gradients were formed when its output gradient arrived "
                    "(OutputEdges(model, form_on_arrival=True), as DPSGD does) and its input and "
                    "output gradient were dropped: run an ordinary loss.backward(), or an "

@@ -19,7 +19,15 @@ from torch import Tensor, nn
 from .capture import HookState
 from .errors import PerSampleHooksError
 from .rules.base import KeptGrads, contract_samples
-from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names, prepare_step
+from .step import (
+    LayerWork,
+    LossType,
+    Step,
+    check_compares,
+    check_unseen_uses,
+    parameter_names,
+    prepare_step,
+)
 
 CLIP_EPSILON = 1e-6
 """``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
@@ -100,8 +108,7 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
     # on a checked step the check reads again what the norms materialized; else nothing does
-    checked = state.unseen is not None and bool(state.unseen.totals)
-    keep = _kept_grads(state, step) if checked else None
+    keep = _kept_grads(state, step) if check_compares(state) else None
     squared = _per_parameter_squared(model, step, "compute_norms", keep)
     check_unseen_uses(state, step, keep)
     norms = _total(squared, step.batch_size)
@@ -261,7 +268,7 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     # records released as soon as a layer's per-sample gradients are all kept; only when the
     # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
     # computed no parameter gradient), since confirming a failed check re-runs the captured calls
-    early = release_records and not (state.unseen is not None and state.unseen.totals)
+    early = release_records and not check_compares(state)
     if release_records:
         state.release_records("clip_grads(release_records=True)")
     keep = _kept_grads(state, step, per_layer=early)

@@ -190,6 +190,12 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     call.per_sample = out
 
 
+def check_compares(state: HookState) -> bool:
+    """Whether the unseen-use check compares this step (its backward gave the check parameter
+    gradients): only then is anything kept for :func:`check_unseen_uses` read again."""
+    return state.unseen is not None and bool(state.unseen.totals)
+
+
 def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = None,
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from ..capture import Call
-from ..forms import Form, Outer
-from ..forms.core import add_outer_products, add_position_sums, write_one_position
+from ..forms import Form, one_group
+from ..forms.core import write_one_position
 from .base import Rule, register_rule
 
 
@@ -28,25 +28,17 @@ class LinearRule(Rule):
 
     def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
-        """One call: the products :func:`~per_sample_hooks.forms.write` makes of
-        :meth:`forms`, made directly (the same operations, without building the forms: Python
-        overhead is most of a small layer's time); several calls: from the forms."""
-        if len(calls) != 1:
-            return super().grad1(module, calls, scale, out)
-        call = calls[0]
-        grads = call.backprop()
-        acts = call.activation() if "weight" in out else None
-        if grads.dim() == 2 and (acts is None or acts.dim() == 2):  # [B, f]: one position
-            for name, target in out.items():
-                write_one_position(target, grads, acts if name == "weight" else None, scale)
-            return None
-        grads = flatten_positions(grads)
-        for name, target in out.items():
-            if name == "weight":
-                add_outer_products(target, grads, flatten_positions(acts), scale, False)
-            else:
-                add_position_sums(target, grads, scale, False)
-        return None
+        """One call on ``[B, f]``: the products ``forms.write`` makes of :meth:`forms`, made
+        directly (the same operations, without building the forms: Python overhead is most of
+        a small layer's time); otherwise from the forms."""
+        if len(calls) == 1:
+            grads = calls[0].backprop()
+            acts = calls[0].activation() if "weight" in out else None
+            if grads.dim() == 2 and (acts is None or acts.dim() == 2):  # one position
+                for name, target in out.items():
+                    write_one_position(target, grads, acts if name == "weight" else None, scale)
+                return
+        super().grad1(module, calls, scale, out)
 
     def forms(self, module: nn.Linear, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
@@ -54,9 +46,8 @@ class LinearRule(Rule):
         leading dims (``[B, T, f]``, one group)."""
         result: dict[str, list[Form]] = {name: [] for name in names}
         for call in calls:
-            grads = flatten_positions(call.backprop()).unsqueeze(1)
+            grads = flatten_positions(call.backprop())
+            acts = flatten_positions(call.activation()) if "weight" in result else None
             for name, parts in result.items():
-                acts = flatten_positions(call.activation()).unsqueeze(1) \
-                    if name == "weight" else None
-                parts.append(Outer(grads, acts))
+                parts.append(one_group(grads, acts if name == "weight" else None))
         return result
