@@ -37,9 +37,10 @@ KEEP_FRACTION = 0.25
 clipped sum is a cheap contraction instead of a second product) up to this fraction of the
 number of elements the hooks captured (activations and output gradients), in buffers freed
 with the step's records; beyond it the clipped sum is recomputed by one matmul per layer.
-Measured (1 thread, ``benchmarks.dp``): 1.0 took clipping after ``loss.backward()`` from 1.57x
-to 1.36x a plain step on the T=256 token model, but its peak memory from 1.34x to 1.82x (1.35x
-to 1.88x at T=64): the kept buffers come on top of the records."""
+Measured (1 thread, ``benchmarks.dp`` on the T=256 token model): 1.0 against 0.25 took
+clipping after ``loss.backward()`` from 1.53x to 1.34x a plain step (5 interleaved rounds), but
+its peak memory from 1.34x to 1.82x (1.35x to 1.88x at T=64): the kept buffers come on top of
+the records."""
 
 
 def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
