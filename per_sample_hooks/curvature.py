@@ -86,7 +86,15 @@ from .forms.kronecker import Approx, check_approx, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares
 from .rules.base import split_passes
 from .rules.formed import FormedRule
-from .step import LayerWork, LossType, Step, check_unseen_uses, parameter_names, prepare_step
+from .step import (
+    LayerWork,
+    LossType,
+    Step,
+    check_unseen_uses,
+    parameter_names,
+    prepare_step,
+    refuse_shared,
+)
 
 HessType = Literal["LeastSquares", "CrossEntropy"]
 HESS_TYPES = ("LeastSquares", "CrossEntropy")
@@ -257,7 +265,7 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     ``compute_*`` functions."""
     _check_unsupported(unsupported, "compute_hess")
     state, model_step = prepare_step(model, loss_type, "compute_hess")
-    parameter_names(model, model_step, "compute_hess")  # refuses parameters shared by modules
+    refuse_shared(model_step, "compute_hess")
     check_unseen_uses(state, model_step)
     for layer in _curvature_layers(model_step):
         passes = _pass_forms(layer, list(layer.parameters))
@@ -319,7 +327,8 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     (``forms.second_order.add_squares``): no per-sample gradients for one-position
     outer products, biases and embedding rows; others materialize one parameter at a time."""
     state, step = prepare_step(model, loss_type, "compute_fisher_diag")
-    names = parameter_names(model, step, "compute_fisher_diag")
+    names = parameter_names(model, step)
+    refuse_shared(step, "compute_fisher_diag")
     check_unseen_uses(state, step)
     result = {}
     for layer in step.layers:
@@ -343,7 +352,7 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
             "compute_grad_variance: the hooks captured several backward passes; the variance "
             "of per-sample gradients needs exactly one ordinary backward of the loss")
     second = compute_fisher_diag(model, loss_type)
-    names = parameter_names(model, step, "compute_grad_variance")
+    names = parameter_names(model, step)
     batch = step.batch_size
     for layer in step.layers:
         if not layer.calls or not layer.parameters:
@@ -370,7 +379,7 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     several positions the ghost Gram where cheaper; others materialize one parameter at a
     time."""
     state, step = prepare_step(model, loss_type, "compute_gram")
-    parameter_names(model, step, "compute_gram")
+    refuse_shared(step, "compute_gram")
     check_unseen_uses(state, step)
     total = None
     for layer in _curvature_layers(step):

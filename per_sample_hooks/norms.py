@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from . import forms
 from .capture import HookState
 from .errors import PerSampleHooksError
 from .rules.base import KeptGrads, contract_samples
@@ -27,6 +28,8 @@ from .step import (
     check_unseen_uses,
     parameter_names,
     prepare_step,
+    shared_forms,
+    shared_parameters,
 )
 
 CLIP_EPSILON = 1e-6
@@ -43,29 +46,37 @@ its peak memory from 1.34x to 1.82x (1.35x to 1.88x at T=64): the kept buffers c
 the records."""
 
 
-def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None
-                         ) -> dict[str, Tensor]:
-    if not layer.parameters:
+def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None,
+                         names: list[str]) -> dict[str, Tensor]:
+    if not names:
         return {}
     if not layer.calls:  # the module's output did not reach the loss
         p = next(iter(layer.parameters.values()))
         zeros = torch.zeros(step.batch_size, dtype=p.dtype, device=p.device)
-        return dict.fromkeys(layer.parameters, zeros)
-    names = list(layer.parameters)
+        return dict.fromkeys(names, zeros)
     if keep is None:
         return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names)
     return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names, keep=keep)
 
 
-def _per_parameter_squared(model: nn.Module, step: Step, caller: str,
-                           keep: KeptGrads | None = None,
+def _per_parameter_squared(model: nn.Module, step: Step, keep: KeptGrads | None = None,
                            after: Callable[[LayerWork], None] | None = None
                            ) -> dict[str, Tensor]:
-    names = parameter_names(model, step, caller)
+    """``{qualified name: [B]}``. A parameter of several modules (tied embeddings) from the
+    sum of their forms, cross terms included; the others layer by layer (``after`` called on
+    each layer once its norms are taken)."""
+    names = parameter_names(model, step)
+    shared = shared_parameters(step)
     result = {}
+    for uses in shared.values():
+        layer, local = uses[0]
+        squared = forms.norms_squared(shared_forms(uses), step.batch_size) if any(
+            w.calls for w, _ in uses) else layer.parameters[local].new_zeros(step.batch_size)
+        result[names[id(layer)][local]] = squared.mul_(step.scale * step.scale)
     for layer in step.layers:
-        squared = _layer_norms_squared(layer, step, keep)
-        for local in layer.parameters:
+        own = [n for n, p in layer.parameters.items() if id(p) not in shared]
+        squared = _layer_norms_squared(layer, step, keep, own)
+        for local in own:
             result[names[id(layer)][local]] = squared[local]
         if after is not None:
             after(layer)
@@ -110,7 +121,7 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
         return _empty_batch_norms(model, step, per_param)
     # on a checked step the check reads again what the norms materialized; else nothing does
     keep = _kept_grads(state, step) if check_compares(state) else None
-    squared = _per_parameter_squared(model, step, "compute_norms", keep)
+    squared = _per_parameter_squared(model, step, keep)
     check_unseen_uses(state, step, keep)
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "compute_norms")
@@ -122,7 +133,7 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
 def _empty_batch_norms(model: nn.Module, step: Step, per_param: bool
                        ) -> Tensor | dict[str, Tensor]:
     """Norms of an empty batch: ``[0]`` tensors (per parameter with ``per_param``)."""
-    names = parameter_names(model, step, "compute_norms")
+    names = parameter_names(model, step)
     empty = {names[id(layer)][local]: p.new_zeros(0) for layer in step.layers
              for local, p in layer.parameters.items()}
     if per_param:
@@ -216,11 +227,13 @@ def _fully_kept(layer: LayerWork, keep: KeptGrads) -> bool:
                                           for n in layer.parameters)
 
 
-def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads) -> None:
+def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads,
+                     shared_by: Callable[[LayerWork], bool]) -> None:
     """When ``layer``'s norms kept its weight's per-sample gradients, keep the rest too (a
-    bias's are small) and drop its records: its clipped sum is then a contraction."""
+    bias's are small) and drop its records: its clipped sum is then a contraction (not for a
+    layer with a parameter of several modules, whose clipped sum reads all their forms)."""
     if not layer.calls or not any(keep.get(layer.module, n) is not None
-                                  for n in layer.parameters):
+                                  for n in layer.parameters) or shared_by(layer):
         return
     for name in layer.parameters:
         if keep.get(layer.module, name) is None:
@@ -273,27 +286,41 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     if release_records:
         state.release_records("clip_grads(release_records=True)")
     keep = _kept_grads(state, step, per_layer=early)
-    after = partial(_release_if_kept, batch=step.batch_size, keep=keep) if early else None
-    squared = _per_parameter_squared(model, step, "clip_grads", keep, after)
+    shared = shared_parameters(step)
+
+    def shares(layer: LayerWork) -> bool:
+        return any(id(p) in shared for p in layer.parameters.values())
+    after = partial(_release_if_kept, batch=step.batch_size, keep=keep,
+                    shared_by=shares) if early else None
+    squared = _per_parameter_squared(model, step, keep, after)
     check_unseen_uses(state, step, keep)  # contracts the kept per-sample gradients
     norms = _total(squared, step.batch_size)
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
     coefficients = clipping_coefficients(norms, max_norm)
+    for uses in shared.values():  # before any of their modules' records are released
+        layer, local = uses[0]
+        target, parts = _grad_target(layer.parameters[local]), shared_forms(uses)
+        if parts:
+            forms.weighted_sum(target, parts, coefficients)
+        else:
+            target.zero_()
     layers = step.layers
     if release_records:  # the largest new p.grad last, when the fewest records are left
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     for layer in layers:
         if layer.parameters and not layer.calls:
             for p in layer.parameters.values():
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in shared:
                     p.grad.zero_()
         elif _fully_kept(layer, keep):
             for name, p in layer.parameters.items():
                 contract_samples(_grad_target(p), keep.get(layer.module, name), coefficients)
         elif layer.parameters:
-            out = {name: _grad_target(p) for name, p in layer.parameters.items()}
-            layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
+            out = {name: _grad_target(p) for name, p in layer.parameters.items()
+                   if id(p) not in shared}
+            if out:
+                layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
         if release_records:
             for call in layer.calls:
                 call.release()

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
 from .errors import PerSampleHooksError
-from .forms import project_sum, projection_cost
+from .forms import Form, project_sum, projection_cost
 from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
@@ -137,8 +137,10 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
-            "is not dimension 0. A module called without the batch dim whose output is "
-            "broadcast over the batch (position ids `pos_emb(torch.arange(T))`) mixes the "
+            "is not dimension 0. A module whose output is broadcast over the batch (position "
+            "ids) is handled when called with batch size 1 after some module saw the batch, "
+            "`pos_emb(torch.arange(T)[None])`; called without the batch dim, "
+            "`pos_emb(torch.arange(T))`, or before any module saw the batch, it mixes the "
             "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`")
     batch_size = next(iter(sizes))
     scale = float(batch_size) if loss_type == "mean" else 1.0
@@ -247,27 +249,47 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     check.verify(hooked, users, time.perf_counter() - start)
 
 
-def parameter_names(model: nn.Module, step: Step, caller: str
-                     ) -> dict[int, dict[str, str]]:
-    """Qualified parameter name (as in ``model.named_parameters()``) for each layer's
-    trainable parameters; a parameter shared by two hooked modules is refused."""
-    qualified = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    seen: dict[int, str] = {}
-    names = {}
+def parameter_names(model: nn.Module, step: Step) -> dict[int, dict[str, str]]:
+    """Qualified parameter name (the first in ``model.named_parameters()``) for each layer's
+    trainable parameters."""
+    qualified: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        qualified.setdefault(id(p), n)
+    return {id(layer): {local: qualified.get(id(p), f"{layer.name}.{local}")
+                        for local, p in layer.parameters.items()} for layer in step.layers}
+
+
+def shared_parameters(step: Step) -> dict[int, list[tuple[LayerWork, str]]]:
+    """Parameters of several hooked modules (tied input and output embeddings), by id: the
+    ``(layer, local name)`` of each use. Their per-sample gradient is the sum of the modules'
+    forms, whose norms carry the cross terms (``forms.norms_squared``)."""
+    uses: dict[int, list[tuple[LayerWork, str]]] = {}
     for layer in step.layers:
-        names[id(layer)] = {}
         for local, p in layer.parameters.items():
-            if id(p) in seen:
-                raise PerSampleHooksError(
-                    f"{caller}: parameter '{local}' of '{layer.name}' is also a parameter of "
-                    f"'{seen[id(p)]}' (tied weights across modules); per-sample norms would miss "
-                    "the cross terms between the two modules. Untie the weights or use "
-                    "compute_grad1 and sum the two modules' grad1 yourself")
-            seen[id(p)] = layer.name
-            names[id(layer)][local] = qualified.get(id(p), f"{layer.name}.{local}")
-    return names
+            uses.setdefault(id(p), []).append((layer, local))
+    return {key: found for key, found in uses.items() if len(found) > 1}
+
+
+def refuse_shared(step: Step, caller: str) -> None:
+    """Raise for a parameter shared by hooked modules (for quantities that do not sum the
+    modules' forms of it)."""
+    for uses in shared_parameters(step).values():
+        (first, _), (second, local) = uses[0], uses[1]
+        raise PerSampleHooksError(
+            f"{caller}: parameter '{local}' of '{second.name}' is also a parameter of "
+            f"'{first.name}' (tied weights across modules): {caller} does not sum the two "
+            "modules' terms of one parameter yet. compute_grad1, compute_norms, clip_grads and "
+            "DPSGD do; or untie the weights")
+
+
+def shared_forms(uses: list[tuple[LayerWork, str]]) -> list[Form]:
+    """The forms of a shared parameter: each module's, as captured (modules whose output did
+    not reach the loss give none)."""
+    return [form for layer, local in uses if layer.calls
+            for form in layer.rule.forms(layer.module, layer.calls, [local])[local]]
 
 
 __all__ = ["LayerWork", "Step", "LossType", "prepare_step", "check_unseen_uses",
-           "form_on_arrival", "parameter_names", "owned_parameters", "trainable_parameters",
+           "form_on_arrival", "parameter_names", "shared_parameters", "shared_forms",
+           "refuse_shared", "owned_parameters", "trainable_parameters",
            "FORM_RATIO"]

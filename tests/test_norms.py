@@ -217,17 +217,6 @@ def test_non_finite_norms_name_the_samples():
     psh.remove_hooks(model)
 
 
-def test_tied_parameters_across_modules_are_refused():
-    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
-    b.weight = a.weight
-    model = nn.Sequential(a, nn.Tanh(), b)
-    psh.add_hooks(model)
-    model(torch.randn(4, 3)).sum().backward()
-    with pytest.raises(psh.PerSampleHooksError, match="tied"):
-        psh.compute_norms(model)
-    psh.remove_hooks(model)
-
-
 # ---- convolutions: the Linear paths per group on the unfolded form ----
 
 CONV_PATHS = {  # (conv, input shape) whose single call takes the named path

@@ -293,13 +293,24 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
     """``[B]``: squared norm of each sample's gradient (the sum of ``forms``, unscaled).
 
     One position: ``|a|^2 |g|^2``; several: the ghost norm or a chunked materialization, by
-    cost (:mod:`.ghost`); rows: the values of equal (sample, row) keys summed first; a mix of
-    kinds: materialized once; disjoint blocks: their norms add up."""
+    cost (:mod:`.ghost`); rows: the values of equal (sample, row) keys summed first; disjoint
+    blocks: their norms add up; a mix of kinds (a parameter shared by an Embedding and a
+    Linear, tied embeddings): the kinds' norms plus twice their inner products
+    (:func:`inner_products`), else materialized once."""
     blocks = _disjoint_blocks(forms)
     if blocks is not None and len(blocks) > 1:
         return sum(norms_squared(group, batch) for group in blocks)
     form = join(forms)
     if form is None:
+        kinds = [join([f for f in forms if isinstance(f, kind)]) for kind in (Dense, Rows, Outer)
+                 if any(isinstance(f, kind) for f in forms)]
+        if all(k is not None for k in kinds) and all(
+                _inner_supported(a, b) for i, a in enumerate(kinds) for b in kinds[i + 1:]):
+            total = sum(norms_squared([k], batch) for k in kinds)
+            for i, a in enumerate(kinds):
+                for b in kinds[i + 1:]:
+                    total.add_(inner_products(a, b, batch), alpha=2)
+            return total
         first = forms[0]
         like = first.per_sample if isinstance(first, Dense) else \
             first.values if isinstance(first, Rows) else first.grads
@@ -320,6 +331,40 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
     result = form.grads.new_empty(batch)
     for samples, acts in act_chunks(form):
         result[samples] = weight_norms_squared(acts, form.grads[samples], method)
+    return result
+
+
+def _inner_supported(a: Form, b: Form) -> bool:
+    """Whether :func:`inner_products` takes ``a`` (Dense or Rows) with ``b`` (Rows or Outer):
+    an outer product of tensors, one group, no block; rows as wide as its features."""
+    if isinstance(b, Outer) and not (isinstance(b.acts, Tensor) and b.block is None
+                                     and b.grads.shape[1] == 1):
+        return False
+    if isinstance(a, Rows) and isinstance(b, Outer):
+        return (a.num_rows, a.values.shape[1]) == (b.grads.shape[3], b.acts.shape[3])
+    return True
+
+
+def inner_products(a: Form, b: Form, batch: int) -> Tensor:
+    """``[B]``: ``<g_b, h_b>`` of the per-sample gradients of two forms of one parameter, ``a``
+    Dense or Rows and ``b`` Rows or Outer (one group of tensors), without materializing ``b``:
+    for entry ``e`` of rows against an outer product, ``sum_t grads[s_e, t, r_e]
+    (acts[s_e, t] . values_e)``, a chunk of entries at a time."""
+    if isinstance(a, Dense):
+        if isinstance(b, Rows):  # the dense gradient read at the entries' rows
+            dense = a.per_sample.reshape(batch, b.num_rows, -1)
+            products = (dense[b.samples, b.rows] * b.values).sum(1)
+            return products.new_zeros(batch).index_add_(0, b.samples, products)
+        dense = a.per_sample.reshape(batch, b.grads.shape[3], b.acts.shape[3])  # [B, p, d]
+        return (torch.bmm(b.grads[:, 0], dense) * b.acts[:, 0]).sum((1, 2))
+    grads, acts = b.grads[:, 0], b.acts[:, 0]  # [B, T, p], [B, T, d]
+    result = a.values.new_zeros(batch)
+    step = max(1, ghost.CHUNK_ELEMENTS // (acts.shape[1] * acts.shape[2]))
+    for start in range(0, len(a.samples), step):
+        samples, rows = a.samples[start:start + step], a.rows[start:start + step]
+        along_acts = torch.linalg.vecdot(acts[samples], a.values[start:start + step, None])
+        picked = grads[samples, :, rows]  # [n, T]: each entry's row of its sample's grads
+        result.index_add_(0, samples, (along_acts * picked).sum(1))
     return result
 
 
