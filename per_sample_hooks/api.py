@@ -152,7 +152,9 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         for n, p in module.named_parameters(recurse=module in unit_modules):
             if p.requires_grad:
                 owners.setdefault(p, f"{prefix}{n}")
-    state = HookState(model, modules, rules, unit_modules)
+    observed = {m for m, rule in rules.items() if rule.observe_without_parameters}
+    state = HookState(model, modules, rules, unit_modules, observed,
+                      lambda module, call: rules[module].batch_size(module, call))
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -190,6 +191,15 @@ def gradient_tensor(leaf: Tensor) -> Tensor:
     return base
 
 
+def _to_batch(t: object, dim: int, batch: int) -> object:
+    """``t`` expanded (a view) to ``batch`` along ``dim`` when it has size 1 there."""
+    if not isinstance(t, Tensor) or t.dim() <= dim or t.shape[dim] != 1:
+        return t
+    shape = list(t.shape)
+    shape[dim] = batch
+    return t.expand(shape)
+
+
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
@@ -248,17 +258,31 @@ class HookState:
 
     ``modules``: module -> (qualified name, batch dim); ``rules``: module -> its rule (opaque
     here); ``units``: modules whose parameters include their children's and whose outputs are
-    returned as copies, so that a unit's captured gradient is the one from outside it only.
+    returned as copies, so that a unit's captured gradient is the one from outside it only;
+    ``observed``: modules captured even when none of their parameters is trainable (the others
+    capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
+    ``(module, call) -> batch size`` of a call (raises when it cannot tell).
     Written outside this file: ``enabled`` (pausing capture), ``unseen`` (set once by
     ``add_hooks``), ``on_gradient`` and ``on_clear`` (add-ons' callbacks).
+
+    Inputs broadcast over the batch: a call with batch size 1 in a step whose earlier calls saw
+    a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared query), with one tensor
+    output, has its output returned expanded to the batch (a view: same values wherever it is
+    broadcast against the batch, as such an output is) and its inputs recorded expanded, so
+    that the gradient reaching the output is per sample and the call is one of ``B`` samples.
     """
 
     def __init__(self, model: nn.Module, modules: dict[nn.Module, tuple[str, int]],
-                 rules: dict[nn.Module, Any], units: set[nn.Module]):
+                 rules: dict[nn.Module, Any], units: set[nn.Module],
+                 observed: set[nn.Module] = frozenset(),
+                 batch_of: Callable[[nn.Module, Call], int] = lambda module, call:
+                 call.batch_size):
         self._model_ref = weakref.ref(model)
         self.modules = modules
         self.rules = rules
         self.units = units
+        self.observed = observed
+        self.batch_of = batch_of
         self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
         self.storage = Buffers()
         self.enabled = True
@@ -268,6 +292,7 @@ class HookState:
         self.backward_seen = False  # a captured output received a gradient in this step
         self.forward_after_backward: str | None = None  # first module called after a backward
         self.released_by: str | None = None  # the call that dropped this step's records
+        self.step_batch: int | None = None  # the first batch size > 1 captured in this step
         self.handles: list[Any] = []
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         # called as on_gradient(module, call) after a gradient of a call's output is captured
@@ -291,7 +316,8 @@ class HookState:
     def forward_hook(self, owner: nn.Module, module: nn.Module, args: tuple, kwargs: dict,
                      output: Any) -> Any:
         """Record a call of ``owner`` (see :class:`ForwardHook`)."""
-        if not self.enabled or module is not owner or not torch.is_grad_enabled():
+        if not self.enabled or module is not owner or not torch.is_grad_enabled() \
+                or not self.captures(owner):
             return
         compiling = torch.compiler.is_compiling()
         if _inside_torch_func(compiling):
@@ -314,6 +340,16 @@ class HookState:
             self.forward_after_backward = name  # a second micro-batch: refused by compute_*
         args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
+        batch = self._batch_or_none(owner, call)
+        if batch == 1 and self.step_batch is not None and isinstance(output, Tensor) \
+                and output.dim() > batch_dim and output.shape[batch_dim] == 1:
+            output = _to_batch(output, batch_dim, self.step_batch)
+            leaves = (output,)
+            call.args = tree_map(partial(_to_batch, dim=batch_dim, batch=self.step_batch), args)
+            call.kwargs = tree_map(partial(_to_batch, dim=batch_dim, batch=self.step_batch),
+                                   kwargs)
+        elif batch is not None and batch > 1 and self.step_batch is None:
+            self.step_batch = batch
 
         def arrived(call: Call = call) -> None:
             if self.on_gradient is not None:
@@ -323,6 +359,20 @@ class HookState:
                 capture_gradient(leaf, grads, self, arrived)
         self.calls[owner].append(call)
         return output
+
+    def captures(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` is recorded: it has a trainable parameter (a unit: below
+        it too), or it is observed anyway."""
+        if module in self.observed:
+            return True
+        params = module.parameters() if module in self.units else module._parameters.values()
+        return any(p is not None and p.requires_grad for p in params)
+
+    def _batch_or_none(self, module: nn.Module, call: Call) -> int | None:
+        try:
+            return self.batch_of(module, call)
+        except Exception:  # no tensor input, a layout the rule refuses: reported by the rule
+            return None
 
     def clear(self) -> None:
         """Forget every captured call (buffers stay for reuse)."""
@@ -335,6 +385,7 @@ class HookState:
         self.backward_seen = False
         self.forward_after_backward = None
         self.released_by = None
+        self.step_batch = None
 
     def remove(self) -> None:
         """Remove every hook, captured tensor, buffer and ``grad1``/``hess`` attribute."""

@@ -586,3 +586,31 @@ def test_position_ids_broadcast_over_the_batch_are_refused_with_the_fix():
     with pytest.raises(psh.PerSampleHooksError, match=r"2 \(at 'tokens'\), 5 \(at 'positions'\)"
                                                       r".*arange\(T\)\.expand\(B, -1\)"):
         psh.compute_grad1(model)
+
+
+def test_frozen_modules_record_nothing_until_unfrozen():
+    """A module with no trainable parameter holds neither input nor output gradient (a frozen
+    layer under LoRA); unfrozen, it is recorded again; a frozen BatchNorm in training mode is
+    still observed (its batch statistics mix the samples of every layer below)."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[2].requires_grad_(False)
+    state = psh.add_hooks(model)
+    x = torch.randn(6, 5)
+    model(x).sum().backward()
+    assert state.calls[model[0]] and not state.calls[model[2]]
+    psh.compute_grad1(model)
+    assert model[0].weight.grad1.shape == (6, 4, 5) and not hasattr(model[2].weight, "grad1")
+    model[2].requires_grad_(True)
+    model(x).sum().backward()
+    assert state.calls[model[2]]
+    psh.compute_grad1(model)
+    assert model[2].weight.grad1.shape == (6, 3, 4)
+    psh.remove_hooks(model)
+
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    model[1].requires_grad_(False)
+    psh.add_hooks(model)
+    model(x).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="batch statistics"):
+        psh.compute_grad1(model)
+    psh.remove_hooks(model)

@@ -1,0 +1,106 @@
+"""Modules called with batch size 1 whose output is broadcast over the batch (transformers'
+position ids ``[1, T]``, a shared query through a Linear): exact per-sample gradients with no
+change to the call; the limits are refused with a message."""
+import copy
+
+import pytest
+import torch
+from norms_truth import assert_clipping_matches, assert_norms_match
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, loop_grads, weighted_square
+
+
+class BroadcastPositions(nn.Module):
+    """Token embedding plus ``positions(arange(T)[None])``, added with ``+`` or in place (as
+    GPT-2 and BERT do), then a Linear."""
+
+    def __init__(self, in_place: bool = False, vocab=9, length=6, dim=4):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.out = nn.Linear(dim, 3)
+        self.in_place = in_place
+
+    def forward(self, ids):
+        h = self.tokens(ids)
+        positions = self.positions(torch.arange(ids.shape[1]).unsqueeze(0))  # [1, T, d]
+        if self.in_place:
+            h += positions
+        else:
+            h = h + positions
+        return self.out(torch.tanh(h))
+
+
+class SharedQuery(nn.Module):
+    """A Linear applied to a fixed ``[1, k, d]`` query (a buffer) whose output attends over
+    each sample's keys by broadcasting matmul."""
+
+    def __init__(self, dim=4, k=2):
+        super().__init__()
+        self.register_buffer("query", torch.randn(1, k, dim))
+        self.query_proj, self.key_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):  # x [B, T, d]
+        keys = self.key_proj(x)
+        scores = self.query_proj(self.query) @ keys.transpose(1, 2)  # [B, k, T]
+        return scores.softmax(-1) @ x
+
+
+CASES = {
+    "positions": (BroadcastPositions, lambda g: [torch.randint(0, 9, (5, 6), generator=g)]),
+    "positions-in-place": (lambda: BroadcastPositions(in_place=True),
+                           lambda g: [torch.randint(0, 9, (5, 6), generator=g)]),
+    "shared-query": (SharedQuery, lambda g: [torch.randn(5, 3, 4, generator=g)]),
+}
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_broadcast_calls_match_the_loop(case, loss_type):
+    make, inputs = CASES[case]
+    torch.manual_seed(0)
+    model, x = make(), inputs(torch.Generator().manual_seed(1))
+    assert_matches_loop(model, x, loss_type=loss_type)
+    assert_norms_match(model, x, loss_type=loss_type)
+    assert_clipping_matches(model, x, max_norm=0.2, loss_type=loss_type)
+
+
+def test_float32_matches_the_loop():
+    torch.manual_seed(0)
+    model, ids = BroadcastPositions(), torch.randint(0, 9, (5, 6))
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 5)
+    psh.add_hooks(model)
+    weighted_square(model(ids)).mean().backward()
+    psh.compute_grad1(model)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1.double(), expected[n], rtol=1e-4, atol=1e-6)
+    psh.remove_hooks(model)
+
+
+def test_batch_of_one_is_left_as_is():
+    """A true batch of 1: nothing to expand, the output keeps its shape."""
+    model = BroadcastPositions()
+    psh.add_hooks(model)
+    out = model(torch.randint(0, 9, (1, 6)))
+    assert out.shape == (1, 6, 3)
+    out.sum().backward()
+    psh.compute_grad1(model)
+    assert model.positions.weight.grad1.shape == (1, 6, 4)
+    psh.remove_hooks(model)
+
+
+class PositionsFirst(BroadcastPositions):
+    def forward(self, ids):
+        positions = self.positions(torch.arange(ids.shape[1]).unsqueeze(0))
+        return self.out(torch.tanh(self.tokens(ids) + positions))
+
+
+def test_a_broadcast_call_before_the_batch_is_seen_is_refused():
+    model = PositionsFirst()
+    psh.add_hooks(model)
+    model(torch.randint(0, 9, (5, 6))).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="disagree on the batch size.*1 \\(at "
+                       "'positions'\\)"):
+        psh.compute_grad1(model)
+    psh.remove_hooks(model)

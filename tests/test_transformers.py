@@ -1,0 +1,212 @@
+"""Real models as their users call them: tiny random-init transformers models (GPT-2 with tied
+embeddings and broadcast position ids, BERT with a padding mask, Llama with tied embeddings and
+grouped-query attention) and peft LoRA, exact against the float64 per-sample loop for grad1,
+norms, clipping and a DPSGD step."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from norms_truth import loop_clipped
+from torch import Tensor, nn
+
+import per_sample_hooks as psh
+
+transformers = pytest.importorskip("transformers")
+
+B, T, VOCAB = 3, 7, 50
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                     n_positions=16, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, vocab_size=VOCAB,
+                                     max_position_embeddings=16, num_labels=3,
+                                     hidden_dropout_prob=0, attention_probs_dropout_prob=0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=32,
+                                      vocab_size=VOCAB, max_position_embeddings=16,
+                                      tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2_lora() -> nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                             fan_in_fan_out=True, lora_dropout=0.0)
+    model = peft.get_peft_model(gpt2(), config)
+    for name, p in model.named_parameters():  # LoRA's B starts at zero: make A's grads matter
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def causal_lm_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    ids = torch.randint(0, VOCAB, (B, T), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def classification_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    ids = torch.randint(0, VOCAB, (B, T), generator=generator)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 4:] = 0  # a padded sample
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.randint(0, 3, (B,), generator=generator)}
+
+
+MODELS = {"gpt2": (gpt2, causal_lm_batch), "bert": (bert, classification_batch),
+          "llama": (llama, causal_lm_batch), "gpt2-lora": (gpt2_lora, causal_lm_batch)}
+
+
+def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Tensor]]:
+    make, batch = MODELS[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = make().to(dtype)
+    return model.train(), batch(torch.Generator().manual_seed(1))
+
+
+def sample(batch: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    return {k: v[i:i + 1] for k, v in batch.items()}
+
+
+def loss_of(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The docs' call, ``model(**batch).loss``, in float32. transformers' causal-LM loss casts
+    the logits to float32 (``ForCausalLMLoss``), so in float64 the same loss (labels shifted
+    by one, mean over tokens and samples) is taken from the logits."""
+    if next(model.parameters()).dtype != torch.float64:
+        return model(**batch).loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits, labels = model(**inputs).logits, batch["labels"]
+    if labels.dim() == 2:  # next-token prediction
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def loop_grads(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``{name: [B, *p.shape]}``: each sample's loss (its own forward, as the docs call it)
+    differentiated alone, in float64. The batch loss is the mean of these (equal token counts
+    per sample, or one label per sample)."""
+    model = model.double()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rows = []
+    for i in range(B):
+        grads = torch.autograd.grad(loss_of(model, sample(batch, i)), list(params.values()),
+                                    allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(),
+                                                                               grads)])
+    return {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
+
+
+FLOAT32_INSIDE = {"llama"}
+"""Models that compute in float32 whatever their dtype (LlamaRMSNorm upcasts to float32 and
+casts back; the rotary embedding is float32): in float64 their plain batch gradient itself
+differs from the mean of the loop's by about 5e-8 of its largest entry."""
+
+
+def tolerances(dtype: torch.dtype, name: str) -> dict[str, float]:
+    if dtype == torch.float64:
+        return {"rtol": 1e-5, "atol": 1e-7} if name in FLOAT32_INSIDE else \
+            {"rtol": 1e-9, "atol": 1e-11}
+    return {"rtol": 2e-4, "atol": 2e-6}
+
+
+def assert_rows_close(got: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,
+                      model: str) -> None:
+    assert got.keys() == expected.keys()
+    for n, value in got.items():
+        torch.testing.assert_close(value.double(), expected[n], **tolerances(dtype, model),
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def hooked_step(model: nn.Module, batch: dict[str, Tensor]) -> None:
+    psh.add_hooks(model)
+    model.zero_grad(set_to_none=True)
+    loss_of(model, batch).backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_grad1_norms_clip_match_the_loop(name: str, dtype: torch.dtype) -> None:
+    model, batch = build(name, dtype)
+    try:
+        hooked_step(model, batch)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+        norms = psh.compute_norms(model)
+        per_param = psh.compute_norms(model, per_param=True)
+        clipped_norms = psh.clip_grads(model, max_norm=0.5)
+        clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        state = psh.add_hooks(model)
+        assert not state.units or name == "llama", "a native rule for each"  # RMSNORM-PENDING
+    finally:
+        psh.remove_hooks(model)
+    expected = loop_grads(model, batch)
+    assert_rows_close(got, expected, dtype, name)
+    total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms.double(), total, **tolerances(dtype, name))
+    torch.testing.assert_close(clipped_norms.double(), total, **tolerances(dtype, name))
+    assert_rows_close(per_param, {n: g.flatten(1).norm(dim=1) for n, g in expected.items()},
+                      dtype, name)
+    assert_rows_close(clipped, loop_clipped(expected, total, 0.5, "mean"), dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dpsgd_step_matches_the_loop(name: str, dtype: torch.dtype) -> None:
+    """Two DPSGD steps without noise (the first checked by the unseen-use check, the second an
+    output-edge backward), SGD with lr 1: each update is the loop's clipped mean."""
+    model, batch = build(name, dtype)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    dp = psh.DPSGD(model, torch.optim.SGD(params.values(), lr=1.0), noise_multiplier=0.0,
+                   max_grad_norm=0.5, dataset_size=10 * B, batch_size=B, accountant=None)
+    try:
+        for _ in range(2):
+            before = {n: p.detach().clone() for n, p in params.items()}
+            reference = {n: p.double() for n, p in before.items()}
+            dp.zero_grad()
+            dp.backward(loss_of(model, batch))
+            dp.step()
+            updates = {n: before[n] - p.detach() for n, p in params.items()}
+            expected = loop_grads_at(model, batch, reference)
+            total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+            assert_rows_close(updates, loop_clipped(expected, total, 0.5, "mean"), dtype, name)
+    finally:
+        dp.close()
+        psh.remove_hooks(model)
+
+
+def loop_grads_at(model: nn.Module, batch: dict[str, Tensor], values: dict[str, Tensor]
+                  ) -> dict[str, Tensor]:
+    """:func:`loop_grads` of a float64 copy of ``model`` with trainable parameters ``values``."""
+    import copy
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            if n in values:
+                p.copy_(values[n])
+    return loop_grads(twin, batch)
+
+
+def test_frozen_modules_capture_nothing() -> None:
+    """Under LoRA the frozen layers (lm_head, the base projections, embeddings) hold no input or
+    output gradient after the backward: only modules with a trainable parameter are recorded."""
+    model, batch = build("gpt2-lora", torch.float32)
+    state = psh.add_hooks(model)
+    try:
+        loss_of(model, batch).backward()
+        recorded = {state.modules[m][0] for m, calls in state.calls.items() if calls}
+        assert recorded and all("lora_" in name for name in recorded), recorded
+    finally:
+        psh.remove_hooks(model)
