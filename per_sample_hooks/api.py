@@ -70,7 +70,7 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
 
 def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = True,
               units: Iterable[nn.Module | str] = (), check_unseen: CheckUnseen = True,
-              registry: RuleRegistry = default_registry) -> HookState:
+              broadcast: bool = True, registry: RuleRegistry = default_registry) -> HookState:
     """Instrument every submodule of ``model`` that has parameters of its own.
 
     A module with trainable parameters of its own and no rule is handled by the ``torch.func``
@@ -91,6 +91,18 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     checks the first step, every step of a new captured structure (modules called, how often,
     batch sizes) and a random sample of the others at about 2% of the training time;
     ``"always"`` every step; False never.
+
+    ``broadcast``: a module called with batch size 1 after some module of the same forward saw
+    the batch ``B > 1``, with one tensor output (position embeddings of ids ``[1, T]``, as
+    transformers' GPT-2 and BERT build them), is taken as broadcast over the batch: its output
+    is returned expanded to ``B`` (a view, the same values wherever it is added to or
+    multiplied with the batch), so that its per-sample gradients are exact. Code that
+    concatenates such an output along the batch dim or reads its batch rows one by one (a
+    genuinely separate batch of 1) would see ``B`` rows: pass ``broadcast=False`` (the call is
+    then refused, its batch size disagreeing).
+
+    A module none of whose parameters is trainable (frozen) records nothing: no input or output
+    gradient held (unless its rule observes it anyway, BatchNorm's batch statistics).
 
     Returns the model's hook state, also a context manager: ``with add_hooks(model): ...``
     removes the hooks on exit. Calling it again on a hooked model returns the same state.
@@ -158,6 +170,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)
+    state.broadcast = broadcast
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
 

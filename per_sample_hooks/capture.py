@@ -262,14 +262,14 @@ class HookState:
     ``observed``: modules captured even when none of their parameters is trainable (the others
     capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
     ``(module, call) -> batch size`` of a call (raises when it cannot tell).
-    Written outside this file: ``enabled`` (pausing capture), ``unseen`` (set once by
-    ``add_hooks``), ``on_gradient`` and ``on_clear`` (add-ons' callbacks).
+    Written outside this file: ``enabled`` (pausing capture), ``unseen`` and ``broadcast``
+    (set once by ``add_hooks``), ``on_gradient`` and ``on_clear`` (add-ons' callbacks).
 
-    Inputs broadcast over the batch: a call with batch size 1 in a step whose earlier calls saw
-    a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared query), with one tensor
-    output, has its output returned expanded to the batch (a view: same values wherever it is
-    broadcast against the batch, as such an output is) and its inputs recorded expanded, so
-    that the gradient reaching the output is per sample and the call is one of ``B`` samples.
+    Inputs broadcast over the batch (``broadcast``): a call with batch size 1 in a step whose
+    earlier calls saw a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared
+    query), with one tensor output, has its output returned expanded to the batch (a view: the
+    same values wherever it is broadcast against the batch) and its inputs recorded expanded,
+    so that the gradient reaching the output is per sample and the call is one of ``B``.
     """
 
     def __init__(self, model: nn.Module, modules: dict[nn.Module, tuple[str, int]],
@@ -287,6 +287,7 @@ class HookState:
         self.storage = Buffers()
         self.enabled = True
         self.unseen: Any = None  # the unseen-use check; opaque to capture
+        self.broadcast = True  # expand calls of batch 1 to the step's batch
         # step status, changed through end_step / release_records / the hooks
         self.consumed = False  # a compute_* call ended the step: the next forward starts anew
         self.backward_seen = False  # a captured output received a gradient in this step
@@ -340,16 +341,16 @@ class HookState:
             self.forward_after_backward = name  # a second micro-batch: refused by compute_*
         args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
-        batch = self._batch_or_none(owner, call)
-        if batch == 1 and self.step_batch is not None and isinstance(output, Tensor) \
-                and output.dim() > batch_dim and output.shape[batch_dim] == 1:
-            output = _to_batch(output, batch_dim, self.step_batch)
+        if self.step_batch is None:
+            batch = self._batch_or_none(owner, call)
+            if batch is not None and batch > 1:
+                self.step_batch = batch
+        elif self.broadcast and isinstance(output, Tensor) and output.dim() > batch_dim \
+                and output.shape[batch_dim] == 1 and self._batch_or_none(owner, call) == 1:
+            expand = partial(_to_batch, dim=batch_dim, batch=self.step_batch)
+            output = expand(output)
             leaves = (output,)
-            call.args = tree_map(partial(_to_batch, dim=batch_dim, batch=self.step_batch), args)
-            call.kwargs = tree_map(partial(_to_batch, dim=batch_dim, batch=self.step_batch),
-                                   kwargs)
-        elif batch is not None and batch > 1 and self.step_batch is None:
-            self.step_batch = batch
+            call.args, call.kwargs = tree_map(expand, args), tree_map(expand, kwargs)
 
         def arrived(call: Call = call) -> None:
             if self.on_gradient is not None:
@@ -363,10 +364,10 @@ class HookState:
     def captures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` is recorded: it has a trainable parameter (a unit: below
         it too), or it is observed anyway."""
-        if module in self.observed:
-            return True
-        params = module.parameters() if module in self.units else module._parameters.values()
-        return any(p is not None and p.requires_grad for p in params)
+        for p in module.parameters() if module in self.units else module._parameters.values():
+            if p is not None and p.requires_grad:
+                return True
+        return module in self.observed
 
     def _batch_or_none(self, module: nn.Module, call: Call) -> int | None:
         try:

@@ -104,3 +104,14 @@ def test_a_broadcast_call_before_the_batch_is_seen_is_refused():
                        "'positions'\\)"):
         psh.compute_grad1(model)
     psh.remove_hooks(model)
+
+
+def test_broadcast_off_refuses_the_call():
+    """``broadcast=False`` (a genuinely separate batch of one): the output keeps its shape and
+    the step is refused."""
+    model = BroadcastPositions()
+    psh.add_hooks(model, broadcast=False)
+    model(torch.randint(0, 9, (5, 6))).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="disagree on the batch size"):
+        psh.compute_grad1(model)
+    psh.remove_hooks(model)
