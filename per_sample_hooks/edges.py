@@ -63,7 +63,8 @@ class OutputEdges:
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
         # a copy of the model (copy.deepcopy, pickling) has a copy of this hook, and no state:
         # a no-op
-        if self._state is None or not self._state.enabled or not torch.is_grad_enabled():
+        if self._state is None or not self._state.enabled or not torch.is_grad_enabled() \
+                or not self._state.captures(module):  # frozen: its gradient is not wanted
             return
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, Tensor) and leaf.requires_grad:
