@@ -8,18 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from norms_truth import (
-    assert_clipping_matches,
-    assert_norms_match,
-    hooked_backward,
-    loop_clipped,
-    loop_norms,
-)
+from norms_truth import assert_clipping_matches, assert_float32_matches, assert_norms_match
 from test_clipping import KEEP_FRACTIONS, keep_fraction
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, weighted_square
+from ground_truth import assert_matches_loop
 from per_sample_hooks.rules import default_registry
 from per_sample_hooks.rules.hf_conv1d import HFConv1DRule
 
@@ -100,27 +94,7 @@ def test_float32(loss_type, shape):
     """float32 grad1, norms and clipped sums within float32 rounding of the float64 loop."""
     model = two_layers(5, 6)
     torch.manual_seed(1)
-    x = torch.randn(*shape)
-    total, per_param, grads = loop_norms(copy.deepcopy(model).double(), [x.double()],
-                                         weighted_square, loss_type)
-    clipped = loop_clipped(grads, total, 0.5, loss_type)
-    tolerance = dict(rtol=1e-4, atol=1e-5)
-    try:
-        hooked_backward(model, [x], loss_type=loss_type)
-        norms = psh.compute_norms(model, loss_type=loss_type, per_param=True)
-        psh.compute_grad1(model, loss_type=loss_type)
-        for n, p in model.named_parameters():
-            assert p.grad1.dtype == torch.float32
-            torch.testing.assert_close(p.grad1.double(), grads[n], **tolerance)
-            torch.testing.assert_close(norms[n].double(), per_param[n], **tolerance)
-        psh.remove_hooks(model)
-        hooked_backward(model, [x], loss_type=loss_type)
-        clip_norms = psh.clip_grads(model, 0.5, loss_type=loss_type)
-        torch.testing.assert_close(clip_norms.double(), total, **tolerance)
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.double(), clipped[n], **tolerance)
-    finally:
-        psh.remove_hooks(model)
+    assert_float32_matches(model, [torch.randn(*shape)], 0.5, loss_type=loss_type)
 
 
 def test_rule_is_found_and_subclass_policy():
