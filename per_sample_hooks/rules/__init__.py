@@ -5,6 +5,7 @@ from . import (  # noqa: F401
     conv_transpose,
     embedding,
     hf_conv1d,
+    hf_rmsnorm,
     linear,
     normalization,
     recurrent,
