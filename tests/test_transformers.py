@@ -149,7 +149,7 @@ def test_grad1_norms_clip_match_the_loop(name: str, dtype: torch.dtype) -> None:
         clipped_norms = psh.clip_grads(model, max_norm=0.5)
         clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         state = psh.add_hooks(model)
-        assert not state.units or name == "llama", "a native rule for each"  # RMSNORM-PENDING
+        assert not state.units, "a native rule for each module"
     finally:
         psh.remove_hooks(model)
     expected = loop_grads(model, batch)
