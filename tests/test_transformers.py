@@ -166,7 +166,8 @@ def test_grad1_norms_clip_match_the_loop(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_dpsgd_step_matches_the_loop(name: str, dtype: torch.dtype) -> None:
     """Two DPSGD steps without noise (the first checked by the unseen-use check, the second an
-    output-edge backward), SGD with lr 1: each update is the loop's clipped mean."""
+    output-edge backward), SGD with lr 1: the gradient each step used is the loop's clipped
+    mean at the parameters before it."""
     model, batch = build(name, dtype)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     dp = psh.DPSGD(model, torch.optim.SGD(params.values(), lr=1.0), noise_multiplier=0.0,
@@ -178,10 +179,12 @@ def test_dpsgd_step_matches_the_loop(name: str, dtype: torch.dtype) -> None:
             dp.zero_grad()
             dp.backward(loss_of(model, batch))
             dp.step()
-            updates = {n: before[n] - p.detach() for n, p in params.items()}
+            used = {n: p.grad.clone() for n, p in params.items()}  # what SGD stepped with
+            for n, p in params.items():  # and it did step: lr 1
+                torch.testing.assert_close(p.detach(), before[n] - used[n])
             expected = loop_grads_at(model, batch, reference)
             total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
-            assert_rows_close(updates, loop_clipped(expected, total, 0.5, "mean"), dtype, name)
+            assert_rows_close(used, loop_clipped(expected, total, 0.5, "mean"), dtype, name)
     finally:
         dp.close()
         psh.remove_hooks(model)
