@@ -32,10 +32,14 @@ class Call:
     ``per_sample``: set (by whoever :attr:`HookState.on_gradient` calls) when the call's
     per-sample gradients were formed as its output gradient arrived; its inputs and output
     gradient are then dropped (``args`` empty, ``grads`` emptied in place).
+
+    ``watched[k]``: the gradients (one per backward pass) reaching the ``k``-th tensor *inside*
+    the call's forward that an add-on asked to watch (:attr:`HookState.watchers`); ``note``:
+    what that add-on recorded about the call (opaque here). Empty and None for most modules.
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "__weakref__")
+                 "watched", "note", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -49,6 +53,8 @@ class Call:
         self.versions = [None if compiling or not isinstance(a, Tensor) else a._version
                          for a in args]
         self.per_sample: dict[str, Tensor] | None = None
+        self.watched: list[list[Tensor]] = []
+        self.note: object = None
 
     @property
     def has_grads(self) -> bool:
@@ -93,7 +99,7 @@ class Call:
         for t in self.args:
             if isinstance(t, Tensor) and t.dtype != dtype and t.is_floating_point():
                 return True
-        for passes in self.grads:
+        for passes in (*self.grads, *self.watched):
             for g in passes:
                 if g.dtype != dtype and g.is_floating_point():
                     return True
@@ -112,13 +118,14 @@ class Call:
         self.args = tree_map(convert, self.args)
         self.kwargs = tree_map(convert, self.kwargs)
         self.grads = [[convert(g) for g in passes] for passes in self.grads]
+        self.watched = [[convert(g) for g in passes] for passes in self.watched]
         self.versions = [a._version if isinstance(a, Tensor) else None for a in self.args]
 
     def release(self) -> None:
-        """Drop every captured tensor (the output gradients' lists in place: the capture hooks
-        hold them)."""
-        self.args, self.kwargs, self.versions, self.per_sample = (), {}, [], None
-        for passes in self.grads:
+        """Drop every captured tensor (the gradients' lists in place: the capture hooks hold
+        them)."""
+        self.args, self.kwargs, self.versions, self.per_sample, self.note = (), {}, [], None, None
+        for passes in (*self.grads, *self.watched):
             passes.clear()
 
     def modified_inputs(self) -> list[int]:
@@ -263,7 +270,8 @@ class HookState:
     capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
     ``(module, call) -> batch size`` of a call (raises when it cannot tell).
     Written outside this file: ``enabled`` (pausing capture), ``unseen`` and ``broadcast``
-    (set once by ``add_hooks``), ``on_gradient`` and ``on_clear`` (add-ons' callbacks).
+    (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``watchers`` and ``on_watch``
+    (add-ons' callbacks).
 
     Inputs broadcast over the batch (``broadcast``): a call with batch size 1 in a step whose
     earlier calls saw a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared
@@ -299,6 +307,10 @@ class HookState:
         # called as on_gradient(module, call) after a gradient of a call's output is captured
         # (set for the length of a backward by an add-on)
         self.on_gradient: Callable[[nn.Module, Call], None] | None = None
+        # watchers[module]() gives, as a call of ``module`` is recorded, tensors of its forward
+        # whose gradients are captured too (Call.watched) and a note on the call (Call.note)
+        self.watchers: dict[nn.Module, Callable[[], tuple[list[Tensor], object]]] = {}
+        self.on_watch: list[Callable[[Tensor], None]] = []  # told each tensor watched
         for module in modules:
             self.handles.append(module.register_forward_hook(ForwardHook(self, module),
                                                              with_kwargs=True))
@@ -317,12 +329,9 @@ class HookState:
     def forward_hook(self, owner: nn.Module, module: nn.Module, args: tuple, kwargs: dict,
                      output: Any) -> Any:
         """Record a call of ``owner`` (see :class:`ForwardHook`)."""
-        if not self.enabled or module is not owner or not torch.is_grad_enabled() \
-                or not self.captures(owner):
+        if module is not owner or not self.capturing() or not self.captures(owner):
             return
         compiling = torch.compiler.is_compiling()
-        if _inside_torch_func(compiling):
-            return
         if isinstance(output, Tensor):
             if not output.requires_grad:
                 return
@@ -358,6 +367,14 @@ class HookState:
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 capture_gradient(leaf, grads, self, arrived)
+        watcher = self.watchers.get(owner)
+        if watcher is not None:
+            tensors, call.note = watcher()
+            for tensor in tensors:
+                call.watched.append([])
+                capture_gradient(tensor, call.watched[-1], self)
+                for notify in self.on_watch:
+                    notify(tensor)
         self.calls[owner].append(call)
         return output
 
@@ -374,6 +391,12 @@ class HookState:
             return self.batch_of(module, call)
         except Exception:  # no tensor input, a layout the rule refuses: reported by the rule
             return None
+
+    def capturing(self) -> bool:
+        """Whether a forward pass now is recorded: capture enabled, grad mode on, not inside
+        a ``torch.func`` transform."""
+        return (self.enabled and torch.is_grad_enabled()
+                and not _inside_torch_func(torch.compiler.is_compiling()))
 
     def clear(self) -> None:
         """Forget every captured call (buffers stay for reuse)."""

@@ -24,11 +24,13 @@ from .step import form_on_arrival
 class OutputEdges:
     """A backward that computes the gradients of the hooked modules' outputs and nothing else.
 
-    Records, in every forward, the autograd edge of each output of the hooked modules (not the
-    tensor: nothing is kept alive). :meth:`backward` runs autograd's backward to those edges
-    only (``torch.autograd.backward(loss, inputs=edges)``), so the capture hooks see every
-    output gradient while the parameter gradients of the ordinary backward (one weight-gradient
-    product per layer, about a third of its cost) are skipped: ``p.grad`` is left as it was.
+    Records, in every forward, the autograd edge of each output of the hooked modules and of
+    each tensor the hooks watch inside a forward (the use sites of raw parameters,
+    :mod:`per_sample_hooks.raw_uses`), not the tensor: nothing is kept alive. :meth:`backward`
+    runs autograd's backward to those edges only (``torch.autograd.backward(loss,
+    inputs=edges)``), so the capture hooks see every output gradient while the parameter
+    gradients of the ordinary backward (one weight-gradient product per layer, about a third
+    of its cost) are skipped: ``p.grad`` is left as it was.
     Not ``torch.autograd.grad``: it holds every requested gradient until it returns, so no
     layer's could be freed during the backward (measured: the T=256 token model's clipping
     step peaked at 1.23x a plain step that way, 1.15x now). For
@@ -54,6 +56,7 @@ class OutputEdges:
         self._handles = [module.register_forward_hook(self._record)
                          for module in state.modules]
         state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
+        state.on_watch.append(self._record_watched)  # tensors inside a forward (raw_uses)
 
     def __getstate__(self) -> dict:
         """A copy (pickling or ``copy.deepcopy`` of the model whose hooks are this object's
@@ -69,6 +72,11 @@ class OutputEdges:
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 self.edges.append(get_gradient_edge(gradient_tensor(leaf)))
+
+    def _record_watched(self, tensor: Tensor) -> None:
+        """A tensor inside a hooked module's forward whose gradient the hooks capture too."""
+        if self._state is not None:
+            self.edges.append(get_gradient_edge(tensor))
 
     def check_due(self) -> bool:
         """Whether the unseen-use check runs on this step (it needs parameter gradients)."""
@@ -114,6 +122,8 @@ class OutputEdges:
             handle.remove()
         if self._state is not None and self.clear in self._state.on_clear:
             self._state.on_clear.remove(self.clear)
+        if self._state is not None and self._record_watched in self._state.on_watch:
+            self._state.on_watch.remove(self._record_watched)
         self._handles, self.edges = [], []
 
 

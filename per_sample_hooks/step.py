@@ -164,10 +164,11 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     :attr:`HookState.on_gradient` during a backward that only clipping or norms will read.
 
     Only the plain case is formed: the module's only call of the step, one output, its first
-    backward pass, inputs unchanged, not a unit (the torch.func fallback, attention); anything
+    backward pass, inputs unchanged, not a unit (the torch.func fallback, attention), no
+    tensors watched inside its forward (their gradients arrive after the output's); anything
     else keeps its record and is handled as usual."""
     if (call.per_sample is not None or len(call.grads) != 1 or len(call.grads[0]) != 1
-            or module in state.units or len(state.calls[module]) != 1
+            or call.watched or module in state.units or len(state.calls[module]) != 1
             or call.modified_inputs()):
         return
     params = owned_parameters(state, module)

@@ -192,6 +192,8 @@ def single_pass(call: Call, index: int) -> Call:
     view.args, view.kwargs, view.batch_dim = call.args, call.kwargs, call.batch_dim
     view.training, view.versions, view.per_sample = call.training, call.versions, None
     view.grads = [[passes[index]] if index < len(passes) else [] for passes in call.grads]
+    view.watched = [[passes[index]] if index < len(passes) else [] for passes in call.watched]
+    view.note = call.note
     return view
 
 
