@@ -12,9 +12,11 @@ from torch import Tensor, nn
 
 from .capture import STATE_ATTRIBUTE, HookState, get_state, live_states, unwrap
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .raw_uses import follow_raw_uses
 from .rules import RuleRegistry, default_registry
 from .rules.base import KeptGrads
 from .rules.fallback import FallbackRule
+from .rules.raw_parameters import RawParameterRule
 from .step import (
     LayerWork,
     LossType,
@@ -30,13 +32,18 @@ from .unseen import CheckUnseen, UnseenUseCheck, check_mode
 def _frozen_parent(module: nn.Module) -> bool:
     """Frozen parameters of its own and trainable ones below: its forward may use the children's
     weights directly (as ``nn.MultiheadAttention`` with a frozen ``in_proj_weight`` still uses
-    ``out_proj.weight``; its rule covers that), so a module with no rule is a fallback unit like
-    any module with trainable parameters of its own."""
+    ``out_proj.weight``; its rule covers that), so a module with no rule is handled like any
+    module with trainable parameters of its own (its own code is watched for such uses)."""
     own = any(p is not None for p in module._parameters.values())
     return own and any(p.requires_grad for p in module.parameters())
 
 
+def _has_children(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
 fallback_rule = FallbackRule()
+raw_parameter_rule = RawParameterRule()
 
 
 BatchDims = int | Mapping[nn.Module | str, int]
@@ -73,14 +80,25 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
               broadcast: bool = True, registry: RuleRegistry = default_registry) -> HookState:
     """Instrument every submodule of ``model`` that has parameters of its own.
 
-    A module with trainable parameters of its own and no rule is handled by the ``torch.func``
-    fallback as one *unit* with everything below it (its children are not hooked separately:
-    its forward may use their parameters directly, as ``nn.MultiheadAttention`` does with
-    ``out_proj``). A module whose rule has ``covers_children`` (``nn.MultiheadAttention``'s)
-    is a unit likewise, handled by that rule. ``units`` forces the fallback's treatment for
-    given modules or qualified names (a module whose forward uses a child's weight, e.g. a tied
-    output layer ``h @ emb.weight.t()``).
-    With ``fallback=False`` such modules raise :class:`UnsupportedModuleError` instead.
+    A module with parameters of its own (raw ``nn.Parameter`` s: a class token, position
+    embeddings, LayerScale gammas) and no rule:
+
+    - with child modules: the children keep their own rules, and the uses of the module's
+      raw parameters in its own code are followed op by op (:mod:`per_sample_hooks.raw_uses`:
+      elementwise ops with the batch such as ``x + pos``, ``x * gamma``, and expands such as
+      ``cls.expand(B, -1, -1)``, exact); a use that cannot be followed (a matmul with a raw
+      weight, a raw value passed to a child, a child's weight used by the module's own code)
+      is refused by the ``compute_*`` call with what to do;
+    - without children: handled by the ``torch.func`` fallback as one *unit*.
+
+    A unit includes everything below it (its children are not hooked separately: its forward
+    may use their parameters directly, as ``nn.MultiheadAttention`` does with ``out_proj``).
+    A module whose rule has ``covers_children`` (``nn.MultiheadAttention``'s) is a unit
+    likewise, handled by that rule. ``units`` forces the fallback's treatment for given
+    modules or qualified names (a module whose forward uses a child's weight, e.g. a tied
+    output layer ``h @ emb.weight.t()``, or its raw parameters in ways not followed).
+    With ``fallback=False`` modules that would be fallback units raise
+    :class:`UnsupportedModuleError` instead.
 
     ``batch_dim``: where the batch is in the inputs and outputs of each module: an int for all,
     or ``{module or qualified name: int}`` applying to that module and its descendants (others:
@@ -129,7 +147,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         return state
     dim_of = _batch_dim_lookup(model, batch_dim)
     forced = _resolve_units(model, units)
-    modules, rules, unit_modules, owners = {}, {}, set(), {}
+    modules, rules, unit_modules, owners, followed = {}, {}, set(), {}, []
     inside: set[nn.Module] = set()  # descendants of a unit
     for name, module in model.named_modules():
         if module in inside:
@@ -140,17 +158,21 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         if rule is None:
             if not (trainable_parameters(module) or module in forced or _frozen_parent(module)):
                 continue
-            if not fallback:
-                trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-                raise UnsupportedModuleError(
-                    f"module '{label}' of type {type(module).__name__} has trainable "
-                    f"parameters ({', '.join(trainable)}) but no per-sample rule, and "
-                    "the fallback is off: register one with @per_sample_hooks.register_rule("
-                    f"{type(module).__name__}), freeze its parameters, or use "
-                    "add_hooks(model, fallback=True)")
-            rule = fallback_rule
-            unit_modules.add(module)
-            inside.update(module.modules())
+            if module not in forced and _has_children(module):
+                rule = raw_parameter_rule  # its raw parameters' uses followed, children hooked
+                followed.append(module)
+            else:
+                if not fallback:
+                    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+                    raise UnsupportedModuleError(
+                        f"module '{label}' of type {type(module).__name__} has trainable "
+                        f"parameters ({', '.join(trainable)}) but no per-sample rule, and "
+                        "the fallback is off: register one with @per_sample_hooks.register_rule("
+                        f"{type(module).__name__}), freeze its parameters, or use "
+                        "add_hooks(model, fallback=True)")
+                rule = fallback_rule
+                unit_modules.add(module)
+                inside.update(module.modules())
         elif rule.covers_children:  # a unit with a rule of its own
             inside.update(module.modules())
             if next(module.parameters(), None) is None and not rule.observe_without_parameters:
@@ -164,9 +186,14 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         for n, p in module.named_parameters(recurse=module in unit_modules):
             if p.requires_grad:
                 owners.setdefault(p, f"{prefix}{n}")
-    observed = {m for m, rule in rules.items() if rule.observe_without_parameters}
+    # followed modules are recorded even when frozen: their code may use a child's weight
+    observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | followed
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call))
+    for module in followed:
+        state.watchers[module], handles = follow_raw_uses(module, modules[module][1],
+                                                          state.capturing)
+        state.handles += handles
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)
@@ -212,12 +239,14 @@ def enable_hooks(model: nn.Module | None = None) -> None:
 
 def is_supported(module: nn.Module, registry: RuleRegistry = default_registry, *,
                  fallback: bool = True) -> bool:
-    """Whether ``module``'s own parameters get exact per-sample quantities: by a rule, or by the
-    ``torch.func`` fallback (unless ``fallback=False``). False for a module with no rule and no
-    parameters of its own (nothing to compute)."""
+    """Whether ``module``'s own parameters get exact per-sample quantities: by a rule, by
+    following their uses (a module with children), or by the ``torch.func`` fallback (unless
+    ``fallback=False``). False for a module with no rule and no parameters of its own (nothing
+    to compute)."""
     if registry.lookup(module) is not None:
         return True
-    return fallback and next(module.parameters(recurse=False), None) is not None
+    own = next(module.parameters(recurse=False), None) is not None
+    return own and (fallback or _has_children(module))
 
 
 def clear_backprops(model: nn.Module) -> None:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 
 class AppliedTwice(nn.Module):
@@ -118,3 +119,67 @@ class LSTMClassifier(nn.Module):
     def forward(self, tokens):
         _, (h, _) = self.lstm(self.embedding(tokens))
         return self.head(h[-1])
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Conv2d(3, d, 4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class SelfAttention(nn.Module):
+    """timm's Attention: a qkv Linear and a projection, the attention in its own code."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, d = x.shape
+        qkv = self.qkv(x).reshape(batch, length, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, d))
+
+
+class Block(nn.Module):
+    """A transformer block owning its LayerScale gammas."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = SelfAttention(d, heads)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.gamma_1 = nn.Parameter(torch.full((d,), 0.5))
+        self.gamma_2 = nn.Parameter(torch.full((d,), 0.7))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.gamma_1 * self.attn(self.norm1(x))
+        return x + self.gamma_2 * self.mlp(self.norm2(x))
+
+
+class TimmLikeViT(nn.Module):
+    """timm's VisionTransformer in small: the model itself owns cls_token and pos_embed, with
+    the patch embedding, the blocks (owning gammas), a norm and a head below."""
+
+    def __init__(self, d: int = 8, heads: int = 2, depth: int = 2, image: int = 8,
+                 classes: int = 3):
+        super().__init__()
+        self.patch_embed = PatchEmbed(d)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // 4) ** 2 + 1, d) * 0.5)
+        self.pos_drop = nn.Dropout(0.0)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.patch_embed(x)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        return self.head(self.norm(self.blocks(x))[:, 0])

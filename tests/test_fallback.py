@@ -125,15 +125,24 @@ def test_unit_reused_and_partly_frozen():
 
 
 def test_unit_children_are_not_hooked_and_is_supported():
-    model = nn.Sequential(Gated(3), nn.Linear(3, 2))
+    """A module with raw parameters and a child: by default the child keeps its rule (the raw
+    parameters' uses are followed, tests/test_raw_parameters.py); made a unit (units=), the
+    child is inside it. A leaf with raw parameters is a unit of the fallback."""
+    model = nn.Sequential(Gated(3), nn.Linear(3, 2), LayerScale(2))
     state = psh.add_hooks(model)
     try:
-        assert model[0] in state.units
+        assert state.units == {model[2]}
+        assert model[0].proj in state.modules and model[0] in state.modules
+    finally:
+        psh.remove_hooks(model)
+    state = psh.add_hooks(model, units=["0"])
+    try:
+        assert state.units == {model[0], model[2]}
         assert model[0].proj not in state.modules and model[1] in state.modules
     finally:
         psh.remove_hooks(model)
-    assert psh.is_supported(model[0])
-    assert not psh.is_supported(model[0], fallback=False)
+    assert psh.is_supported(model[0]) and psh.is_supported(model[0], fallback=False)
+    assert psh.is_supported(model[2]) and not psh.is_supported(model[2], fallback=False)
     assert psh.is_supported(model[1], fallback=False)
 
 

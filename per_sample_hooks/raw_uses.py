@@ -1,0 +1,531 @@
+"""The uses of a module's raw parameters inside its own forward, followed op by op.
+
+Next to the capture (:mod:`per_sample_hooks.capture`), and like it knowing nothing about
+layers. A module that owns parameters directly (``module._parameters``: a class token, position
+embeddings, LayerScale gammas, a learned bias) and has child modules runs arbitrary code of its
+own around its children. Its children keep their own rules; only what its own code does with
+its raw parameters is followed here, by a ``torch.overrides.TorchFunctionMode`` entered for the
+length of the module's forward and suspended while its children run (so they pay nothing and
+the mode sees the module's own ops only).
+
+The mode sorts the tensors of the module's own ops into three kinds:
+
+- *derived*: a raw trainable parameter, or the output (requiring grad) of an op whose tensor
+  inputs are derived tensors and constants only (slicing, reshape, ``.T``, ``.to``, a scalar
+  product, ``torch.cat`` of two tokens, an interpolation): no batch. Each is recorded as a
+  :class:`Derived` recipe from the parameters, to be replayed at compute time;
+- *batched*: the module's tensor inputs and its children's tensor outputs whose size at the
+  module's ``batch_dim`` is the call's batch size ``B``, and every output of an op with a batched
+  input (provenance, not shape: a constant of size ``B`` made inside the forward is no batch);
+- constants: everything else (buffers, ``torch.arange``, frozen parameters).
+
+A derived tensor ``t`` meets the batch at a *use site*: an elementwise broadcasting op (add,
+sub, mul, div, their Tensor methods, in-place forms and ``rsub``, ``addcmul``, ``addcdiv``,
+``lerp``, ``where``, ``maximum``, ``minimum``, ``pow``) or an expand-like op (``expand``,
+``expand_as``, ``broadcast_to``, ``repeat``) whose output has size ``B`` at ``batch_dim`` where
+``t`` (its shape padded with leading 1s to the output's rank) has 1. The op is run with ``t``
+replaced by ``t_b``, ``t`` padded and expanded to ``B`` at that dim: the same values, and the
+gradient autograd gives ``t_b`` is ``[..., B, ...]`` with row ``b`` from sample ``b`` only, ``t``'s
+per-sample gradient (the op's backward has already summed every other broadcast dim). ``t_b``
+is watched (:attr:`Call.watched <per_sample_hooks.capture.Call>`); the call's note, a
+:class:`Uses`, says which derived value each watched tensor stands for.
+
+Anything else is refused, never silently followed: a derived tensor in any other op with the
+batch (a matmul with a raw weight, ``torch.cat`` of an unexpanded token with the batch, an
+op that mixes the samples), passed to a child module, returned, written in place, or used
+inside a custom ``torch.autograd.Function`` (whose ``apply`` is no torch function: its output
+is caught when it comes back with a gradient); a trainable parameter of a descendant used by
+the module's own code (the descendant's rule would miss that term); a batch that is not at
+``batch_dim``. The call's :attr:`Uses.problem` says what and where, and the rule refuses the
+step with it and with the fix: the module as one unit of the ``torch.func`` fallback,
+``add_hooks(model, units=[name])``. Refused, not switched to that unit by itself: by the time
+a use is seen the children have been hooked and recorded separately, and a unit must be
+chosen before its forward (its outputs are isolated copies); a switch would also hide a
+slowdown of 20x and more on a whole model. What the mode cannot see at all (a derived tensor
+stored on the module and used after its forward, one inside a nested container it does not
+open, a parameter a child reads from its parent) reaches ``p.grad`` and not the use sites:
+the unseen-use check (:mod:`per_sample_hooks.unseen`) reports it.
+
+Assumption, as everywhere in this library: a tensor of the module's forward that carries the
+batch carries it at ``batch_dim``; an expand of a derived value to size ``B`` there is read as
+broadcasting it over the samples.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+
+def _functions(*names: str) -> frozenset[Callable[..., Any]]:
+    """``torch.X`` and ``Tensor.X`` for each name, where they exist."""
+    found = {getattr(owner, name) for owner in (torch, Tensor) for name in names
+             if hasattr(owner, name)}
+    return frozenset(found)
+
+
+_ELEMENTWISE_NAMES = ("add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide",
+                      "true_divide", "addcmul", "addcdiv", "lerp", "where", "maximum", "minimum",
+                      "pow")
+ELEMENTWISE = _functions(
+    *_ELEMENTWISE_NAMES, *(f"{name}_" for name in _ELEMENTWISE_NAMES),
+    *(f"__{op}__" for base in ("add", "sub", "mul", "truediv", "div", "pow")
+      for op in (base, f"r{base}", f"i{base}")))
+"""Elementwise broadcasting ops: a use site when a derived input meets the batch."""
+
+REPEAT = _functions("repeat")
+EXPANDS = _functions("expand", "expand_as", "broadcast_to")
+"""Ops that broadcast a derived value over the batch (a view: run once to read the shape)."""
+
+
+def _leaves(args: tuple, kwargs: dict, kind: type) -> list[Any]:
+    """The ``kind`` objects among the arguments of a call, also inside a list or tuple
+    argument (``torch.cat((a, b))``): how torch functions take tensors."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, kind):
+            found.append(a)
+        elif isinstance(a, (tuple, list)):
+            found.extend(t for t in a if isinstance(t, kind))
+    return found
+
+
+def _replace(args: tuple, kwargs: dict, kind: type, fn: Callable[[Any], object]
+             ) -> tuple[tuple, dict]:
+    """The arguments with each ``kind`` object ``a`` (as :func:`_leaves` finds them) replaced
+    by ``fn(a)``."""
+    def one(a: object) -> object:
+        if isinstance(a, kind):
+            return fn(a)
+        if isinstance(a, (tuple, list)) and any(isinstance(t, kind) for t in a):
+            items = [fn(t) if isinstance(t, kind) else t for t in a]
+            return items if isinstance(a, list) else tuple(items)
+        return a
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _flat_tensors(output: object) -> list[Tensor]:
+    """The tensors of a module's input or output (any nesting)."""
+    if isinstance(output, Tensor):
+        return [output]
+    return [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+
+
+def _broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...] | None:
+    """The broadcast of ``shapes`` (None: they do not broadcast)."""
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        sizes = {s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0} - {1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+class Derived:
+    """A value the module's own code computed from its raw parameters and constants only.
+
+    A parameter (``name``; ``source`` the parameter), or output ``index`` (None: the only one)
+    of ``func(*args, **kwargs)`` with the derived inputs as :class:`Derived` in ``args`` and
+    ``kwargs``. Tensors are held with their version counter at the forward, so that a later
+    in-place change is detected (:meth:`modified`)."""
+
+    __slots__ = ("name", "source", "func", "args", "kwargs", "index", "versions")
+
+    def __init__(self, name: str | None = None, source: Tensor | None = None,
+                 func: Callable[..., Any] | None = None, args: tuple = (),
+                 kwargs: dict | None = None, index: int | None = None):
+        self.name, self.source = name, source
+        self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
+        held = [source] if source is not None else _leaves(args, self.kwargs, Tensor)
+        self.versions = [(t, t._version) for t in held]
+
+    @property
+    def is_parameter(self) -> bool:
+        return self.name is not None
+
+    def parameters(self) -> dict[str, Tensor]:
+        """The raw parameters this value is computed from, by name."""
+        if self.is_parameter:
+            return {self.name: self.source}
+        found: dict[str, Tensor] = {}
+        for leaf in _leaves(self.args, self.kwargs, Derived):
+            found.update(leaf.parameters())
+        return found
+
+    def modified(self) -> bool:
+        """Whether a tensor it was computed from changed in place since the forward."""
+        if any(t._version != version for t, version in self.versions):
+            return True
+        return any(leaf.modified() for leaf in _leaves(self.args, self.kwargs, Derived))
+
+    def evaluate(self, values: Mapping[str, Tensor]) -> Tensor:
+        """The value again, from ``values`` of the parameters (differentiable in them)."""
+        if self.is_parameter:
+            return values[self.name]
+
+        args, kwargs = _replace(self.args, self.kwargs, Derived,
+                                lambda leaf: leaf.evaluate(values))
+        out = self.func(*args, **kwargs)
+        return out if self.index is None else out[self.index]
+
+
+@dataclass
+class Site:
+    """One use site: a watched ``t_b``, ``value`` (shape ``shape``) padded and expanded to the
+    batch at dim ``batch_dim`` of ``t_b``."""
+    value: Derived
+    shape: torch.Size
+    batch_dim: int
+
+
+@dataclass
+class Uses:
+    """What one call's own code did with its module's raw parameters: the use sites, in the
+    order of the call's watched tensors, and ``problem``, the first use that cannot be followed
+    (None: every use was seen)."""
+    sites: list[Site]
+    problem: str | None = None
+
+
+def _describe(value: Derived) -> str:
+    return ", ".join(f"'{name}'" for name in value.parameters())
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+def _outputs(out: object) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, Tensor)]
+    return []
+
+
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "matmul", "and", "or",
+    "xor", "lshift", "rshift")) | {"__setitem__"}
+
+
+def _in_place(func: Callable[..., Any], kwargs: dict) -> bool:
+    """Whether ``func`` writes into its first argument (or ``out=``)."""
+    name = _name(func)
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS \
+        or kwargs.get("out") is not None
+
+
+class _Forward:
+    """The tables of one call of the owner, for the length of its forward."""
+
+    def __init__(self, uses: RawUses, args: tuple, kwargs: dict):
+        self.uses = uses
+        tensors = _leaves(args, kwargs, Tensor)
+        dim = uses.batch_dim
+        self.batch_size: int | None = next((t.shape[dim] for t in tensors if t.dim() > dim),
+                                           None)
+        self.tracked: dict[int, tuple[Tensor, Derived]] = {
+            id(p): (p, Derived(name, p)) for name, p in uses.owner._parameters.items()
+            if p is not None and p.requires_grad}
+        self.batched: dict[int, Tensor] = {}  # held: an id is not reused during the forward
+        self.add_batched(tensors)
+        # computed from derived values with grad mode off: no gradient, unless a custom
+        # autograd Function (whose apply the mode does not see) gives them one on return
+        self.unseen: dict[int, tuple[Tensor, str]] = {}
+        self.watched: list[Tensor] = []
+        self.record = Uses([])
+
+    def refuse(self, problem: str) -> None:
+        if self.record.problem is None:
+            self.record.problem = problem
+
+    def add_batched(self, tensors: list[object]) -> None:
+        """Inputs and children's outputs: batched where their size at batch_dim is B."""
+        dim, size = self.uses.batch_dim, self.batch_size
+        for t in tensors:
+            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size:
+                self.batched[id(t)] = t
+
+    # --------------------------------------------------------------- the module's own ops
+
+    def apply(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
+        inputs = _leaves(args, kwargs, Tensor)
+        self.check_inputs(inputs, f"`{_name(func)}`")
+        tracked = list({id(t): t for t in inputs if id(t) in self.tracked}.values())
+        batched = any(id(t) in self.batched for t in inputs)
+        values = " and ".join(_describe(self.tracked[id(t)][1]) for t in tracked)
+        if not tracked or not torch.is_grad_enabled():  # no gradient reaches a parameter
+            out = func(*args, **kwargs)
+            for o in _outputs(out):
+                if batched:
+                    self.batched[id(o)] = o
+                if tracked:
+                    self.unseen[id(o)] = (o, values)
+            return out
+        in_place = _in_place(func, kwargs)
+        if in_place and (id(args[0]) in self.tracked or not batched):
+            self.refuse(f"writes in place into a value of, or with a value of, its raw "
+                        f"parameter(s) {values} (`{_name(func)}`) without the batch")
+            return func(*args, **kwargs)
+        if func in ELEMENTWISE or func in EXPANDS or func in REPEAT:
+            shape = self.output_shape(func, args, kwargs, inputs)
+            dim = self.dim_in(shape)
+            if dim is not None and all(self.padded_size(t, len(shape), dim) == 1
+                                       for t in tracked):
+                return self.use_site(func, args, kwargs, tracked, len(shape), dim)
+        if batched:
+            self.refuse(
+                f"uses its raw parameter(s) {values} together with the batch in "
+                f"`{_name(func)}`, which the per-sample path for raw parameters cannot follow "
+                "(it follows elementwise ops such as `x + p` and `x * p` and expands such as "
+                "`p.expand(B, -1, -1)`, with the batch of size B at batch_dim)")
+            out = func(*args, **kwargs)
+            for o in _outputs(out):
+                self.batched[id(o)] = o
+            return out
+        return self.derive(func, args, kwargs)
+
+    def output_shape(self, func: Callable[..., Any], args: tuple, kwargs: dict,
+                     inputs: list[Tensor]) -> tuple[int, ...] | None:
+        try:
+            if func in REPEAT:
+                sizes = _repeats(args)
+                source = args[0]
+                padded = (1,) * (len(sizes) - source.dim()) + tuple(source.shape)
+                return tuple(a * b for a, b in zip(padded, sizes))
+            if func in EXPANDS:
+                return tuple(func(*args, **kwargs).shape)  # a view: nothing copied
+            return _broadcast_shape([t.shape for t in inputs])
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            return None  # the op itself will say what is wrong
+
+    def dim_in(self, shape: tuple[int, ...] | None) -> int | None:
+        """The batch dim of an output of ``shape``, if it has size B there."""
+        if shape is None or self.batch_size is None:
+            return None
+        dim = self.uses.batch_dim
+        dim = dim if dim >= 0 else dim + len(shape)
+        if not 0 <= dim < len(shape) or shape[dim] != self.batch_size:
+            return None
+        return dim
+
+    @staticmethod
+    def padded_size(t: Tensor, rank: int, dim: int) -> int:
+        """``t``'s size at ``dim`` of its shape padded with leading 1s to ``rank`` dims."""
+        index = dim - (rank - t.dim())
+        return 1 if index < 0 else t.shape[index]
+
+    def use_site(self, func: Callable[..., Any], args: tuple, kwargs: dict,
+                 tracked: list[Tensor], rank: int, dim: int) -> object:
+        """Run the op with each derived input replaced by its broadcast view over the batch,
+        watched."""
+        views = {}
+        for t in tracked:
+            padded = (1,) * (rank - t.dim()) + tuple(t.shape)
+            expanded = list(padded)
+            expanded[dim] = self.batch_size
+            view = t.reshape(padded).expand(expanded)
+            views[id(t)] = view
+            self.watched.append(view)
+            self.record.sites.append(Site(self.tracked[id(t)][1], t.shape, dim))
+        args, kwargs = _replace(args, kwargs, Tensor, lambda a: views.get(id(a), a))
+        if func in REPEAT:
+            sizes = list(_repeats(args))
+            sizes[dim] = 1  # the view carries the batch already
+            args = (args[0], *sizes)
+        out = func(*args, **kwargs)
+        for o in _outputs(out):
+            self.batched[id(o)] = o
+        return out
+
+    def derive(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
+        """Run an op of derived values and constants; its outputs that require grad are
+        derived."""
+        out = func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+
+        def template(a: Tensor) -> object:
+            entry = self.tracked.get(id(a))
+            return a if entry is None else entry[1]
+        args_, kwargs_ = _replace(args, kwargs, Tensor, template)
+        several = not isinstance(out, Tensor)
+        for index, o in enumerate(_outputs(out)):
+            if o.requires_grad and id(o) not in self.tracked and id(o) not in self.batched:
+                self.tracked[id(o)] = (o, Derived(func=func, args=args_, kwargs=kwargs_,
+                                                  index=index if several else None))
+        return out
+
+    # --------------------------------------------------------------- boundaries
+
+    def check_inputs(self, inputs: list[Tensor], where: str) -> None:
+        """Refuse a trainable parameter of a descendant, and a value computed from raw
+        parameters out of the mode's sight that has a gradient (a custom autograd Function)."""
+        for t in inputs:
+            entry = self.uses.descendants.get(id(t))
+            if entry is not None and t.requires_grad:
+                self.refuse(f"uses '{entry[0]}', a parameter of a module below it, in {where} "
+                            "outside that module's forward: its rule would miss that term")
+            unseen = self.unseen.get(id(t))
+            if unseen is not None and t.grad_fn is not None:
+                self.refuse(f"uses its raw parameter(s) {unseen[1]} in a computation whose "
+                            "gradient the per-sample path cannot follow (a custom "
+                            f"torch.autograd.Function?), then in {where}")
+
+    def check_child_inputs(self, child: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = _leaves(args, kwargs, Tensor)
+        where = f"a call of its child '{self.uses.names.get(child, '?')}'"
+        self.check_inputs(inputs, where)
+        for t in inputs:
+            entry = self.tracked.get(id(t))
+            if entry is not None:
+                self.refuse(f"passes a value of its raw parameter(s) {_describe(entry[1])} to "
+                            f"{where} ({type(child).__name__}), whose rule does not see that "
+                            "use")
+
+    def check_output(self, output: object) -> None:
+        tensors = _flat_tensors(output)
+        self.check_inputs(tensors, "its output")
+        for t in tensors:
+            entry = self.tracked.get(id(t))
+            if entry is not None:
+                self.refuse(f"returns a value of its raw parameter(s) {_describe(entry[1])} "
+                            "without the batch")
+
+
+def _repeats(args: tuple) -> tuple[int, ...]:
+    """The sizes of ``t.repeat(*sizes)`` or ``t.repeat(sizes)``."""
+    if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)):
+        return tuple(args[1])
+    return tuple(args[1:])
+
+
+class RawUses(TorchFunctionMode):
+    """Follows the raw parameters of ``owner`` through each call of its forward (see the module
+    docstring), for a call recorded by the hooks: ``capturing()`` says whether the hooks record
+    now. :meth:`take` gives the last call's watched tensors and its :class:`Uses` (the
+    :attr:`HookState.watchers <per_sample_hooks.capture.HookState>` entry of ``owner``).
+
+    :meth:`install` adds a forward pre-hook on ``owner`` (enter the mode), a forward hook run
+    first and also on an exception (leave it), and both on the modules its code may call:
+    its children and every descendant with parameters (suspend it; a child's batched outputs
+    are recorded as they come back). A copy of the owner (pickling, ``copy.deepcopy``) gets
+    hooks that do nothing."""
+
+    def __init__(self, owner: nn.Module, batch_dim: int, capturing: Callable[[], bool]):
+        super().__init__()
+        self.owner, self.batch_dim, self.capturing = owner, batch_dim, capturing
+        own = {id(p) for p in owner._parameters.values() if p is not None}
+        self.descendants = {id(p): (name, p) for name, p in owner.named_parameters()
+                            if id(p) not in own}
+        self.names = {m: name for name, m in owner.named_modules() if m is not owner}
+        self.forward: _Forward | None = None
+        self.finished: tuple[list[Tensor], Uses] = ([], Uses([]))
+        self.depth = 0  # calls of the owner's modules under way inside its forward
+        self.suspended = False  # the mode was left for them
+        self.nested = 0  # calls of the owner itself inside its forward (refused)
+
+    def __reduce__(self) -> tuple:
+        return _inert, ()
+
+    def install(self) -> list[Any]:
+        """Register the hooks; returns their handles."""
+        owner = self.owner
+        handles = [owner.register_forward_pre_hook(self.before, with_kwargs=True),
+                   owner.register_forward_hook(self.after, prepend=True, always_call=True)]
+        callees = dict.fromkeys(owner.children())
+        callees.update(dict.fromkeys(m for m in owner.modules()
+                                     if m is not owner and next(m.parameters(False), None)
+                                     is not None))
+        for module in callees:
+            handles += [module.register_forward_pre_hook(self.before_callee, with_kwargs=True),
+                        module.register_forward_hook(self.after_callee, always_call=True)]
+        return handles
+
+    def take(self) -> tuple[list[Tensor], Uses]:
+        finished, self.finished = self.finished, ([], Uses([]))
+        return finished
+
+    def __torch_function__(self, func: Callable[..., Any], types: tuple, args: tuple = (),
+                           kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        forward = self.forward
+        if forward is None or self.depth:
+            return func(*args, **kwargs)
+        return forward.apply(func, args, kwargs)
+
+    # --------------------------------------------------------------- hooks
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.forward is not None:  # the owner called inside its own forward
+            self.forward.refuse("is called inside its own forward")
+            self.nested += 1
+            return
+        if self.owner is None or not self.capturing():
+            # should the hooks record this call all the same (capture or grad mode switched
+            # on inside the forward), its uses were not followed: refused, not zero
+            self.finished = ([], Uses([], "began its forward while capture was off"))
+            return
+        self.forward = _Forward(self, args, kwargs)
+        self.depth, self.suspended, self.nested = 0, False, 0
+        self.__enter__()
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> None:
+        forward = self.forward
+        if forward is None:
+            return
+        if self.nested:
+            self.nested -= 1
+            return
+        self.__exit__(None, None, None)
+        self.forward = None
+        forward.check_output(output)
+        self.finished = (forward.watched, forward.record)
+
+    def before_callee(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        forward = self.forward
+        if forward is None:
+            return
+        if not self.depth:
+            forward.check_child_inputs(module, args, kwargs)
+            if torch.overrides._get_current_function_mode() is self:
+                self.__exit__(None, None, None)  # the callee runs without the mode
+                self.suspended = True
+        self.depth += 1
+
+    def after_callee(self, module: nn.Module, args: tuple, output: object) -> None:
+        forward = self.forward
+        if forward is None or not self.depth:
+            return
+        self.depth -= 1
+        if not self.depth:
+            if self.suspended:
+                self.__enter__()
+                self.suspended = False
+            forward.add_batched(_flat_tensors(output))
+
+
+def _inert() -> RawUses:
+    """A :class:`RawUses` whose hooks do nothing (that of a copy of a hooked model)."""
+    inert = RawUses.__new__(RawUses)
+    inert.owner, inert.forward, inert.depth, inert.nested = None, None, 0, 0
+    return inert
+
+
+def follow_raw_uses(owner: nn.Module, batch_dim: int, capturing: Callable[[], bool]
+                    ) -> tuple[Callable[[], tuple[list[Tensor], Uses]], list[Any]]:
+    """Follow ``owner``'s raw parameters: its watcher (``HookState.watchers[owner]``) and the
+    handles of the hooks installed."""
+    uses = RawUses(owner, batch_dim, capturing)
+    return uses.take, uses.install()
+
+
+__all__ = ["Derived", "Site", "Uses", "RawUses", "follow_raw_uses", "ELEMENTWISE", "EXPANDS",
+           "REPEAT"]

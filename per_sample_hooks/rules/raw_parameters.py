@@ -1,0 +1,107 @@
+"""Raw parameters of a module that has children: per-sample gradients from their use sites.
+
+A module that owns parameters directly and has child modules (ViT's embeddings with their class
+token and position embeddings around a patch convolution; a block with LayerScale gammas around
+its attention and MLP) keeps its children's rules; its own parameters get per-sample gradients
+from the *use sites* its calls recorded (:mod:`per_sample_hooks.raw_uses`): at each site a
+value ``t`` computed from the parameters met the batch, and the gradient of ``t``'s broadcast
+view ``t_b`` (the call's watched tensor) holds, at the site's batch dim, the gradient of ``t``
+of each sample::
+
+    d l_b / d t = g_site[b]           (g_site: the captured gradient of t_b, batch dim first)
+    d l_b / d p = sum over sites of  J_t(p)^T (d l_b / d t)
+
+``J_t(p)^T`` is the identity when ``t`` is the parameter itself (``x + p``, ``p.expand(B, -1,
+-1)``, ``x * p``); otherwise the recorded computation of ``t`` from the parameters
+(``p[:, :T]``, an interpolation) is replayed with ``torch.func.vjp`` and the per-sample
+gradients of ``t`` pulled back through it with ``vmap``. Several sites of one value are summed
+before. The result is one :class:`~per_sample_hooks.forms.Dense` form per parameter and call.
+
+A call whose own code used a raw parameter in a way the sites cannot account for is refused,
+with what it did and how to make the module one unit of the ``torch.func`` fallback.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import Call
+from ..errors import PerSampleHooksError
+from ..forms import Dense, Form
+from ..raw_uses import Derived, Uses
+from .base import Rule
+
+
+def _uses(call: Call) -> Uses:
+    return call.note if isinstance(call.note, Uses) else Uses([])
+
+
+def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
+    """Per derived value of ``call``'s use sites: its per-sample gradient ``[B, *t.shape]``,
+    summed over the value's sites and the backward passes."""
+    summed: dict[int, tuple[Derived, Tensor]] = {}
+    for site, passes in zip(_uses(call).sites, call.watched):
+        if not passes:  # this use did not reach the loss
+            continue
+        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        per_sample = grad.movedim(site.batch_dim, 0).reshape(grad.shape[site.batch_dim],
+                                                               *site.shape)
+        key = id(site.value)
+        if key in summed:
+            per_sample = per_sample + summed[key][1]
+        summed[key] = (site.value, per_sample)
+    return list(summed.values())
+
+
+def pull_back(value: Derived, per_sample: Tensor) -> dict[str, Tensor]:
+    """``{parameter name: [B, *p.shape]}``: per-sample gradients ``per_sample`` of ``value``
+    pulled back to the parameters it is computed from."""
+    if value.is_parameter:
+        return {value.name: per_sample}
+    primals = {name: p.detach() for name, p in value.parameters().items()}
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(value.evaluate, primals)
+        (grads,) = torch.func.vmap(vjp)(per_sample)
+    return grads
+
+
+class RawParameterRule(Rule):
+    """Per-sample gradients of a module's own raw parameters from its calls' use sites."""
+
+    def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        for call in calls:
+            uses = _uses(call)
+            if uses.problem is not None:
+                raise PerSampleHooksError(
+                    f"'{name}' ({type(module).__name__}) {uses.problem}. Its per-sample "
+                    "gradients cannot be followed op by op: make it one unit of the torch.func "
+                    f"fallback, add_hooks(model, units=['{name}']), or rewrite that use")
+            replayed = [site.value for site in uses.sites if not site.value.is_parameter]
+            if any(value.modified() for value in replayed):
+                raise PerSampleHooksError(
+                    f"'{name}' ({type(module).__name__}): a tensor its raw parameters' values "
+                    "were computed from was modified in place after its forward (an optimizer "
+                    "step before compute_*?); compute per-sample quantities before changing "
+                    "the parameters")
+            passes = call.n_passes
+            if any(watched and len(watched) != passes for watched in call.watched):
+                raise PerSampleHooksError(
+                    f"'{name}' ({type(module).__name__}): a use of its raw parameters inside "
+                    "its forward received gradients in some backward passes and not in "
+                    "others; the passes cannot be paired. Run one backward per forward")
+
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        result: dict[str, list[Form]] = {name: [] for name in names}
+        for call in calls:
+            for value, per_sample in site_gradients(call):
+                for name, grad in pull_back(value, per_sample).items():
+                    if name in result:
+                        result[name].append(Dense(grad))
+        for name, parts in result.items():
+            if not parts:  # not used in any call that reached the loss
+                p = module.get_parameter(name)
+                parts.append(Dense(p.new_zeros((self.batch_size(module, calls[0]), *p.shape))))
+        return result

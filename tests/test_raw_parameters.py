@@ -1,0 +1,546 @@
+"""Raw parameters of a module that has children (class tokens, position embeddings, LayerScale
+gammas, a learned bias): the children keep their rules, the uses of the raw parameters in the
+module's own code are followed (per_sample_hooks/raw_uses.py, rules/raw_parameters.py). Every
+quantity against the float64 per-sample loop, float32 and float64; each use that cannot be
+followed is refused with what to do."""
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import TimmLikeViT
+from norms_truth import loop_clipped, loop_norms
+from torch import Tensor, nn
+
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, loop_grads, loop_grads_of, weighted_square
+from per_sample_hooks.dp import DPSGD
+
+# ----------------------------------------------------------------------------- models
+
+
+class ViTLike(nn.Module):
+    """Patch convolution, class token ``expand`` + ``cat``, position embeddings added, dropout
+    (p=0), then a Linear head: ViT's embeddings with a head."""
+
+    def __init__(self, d: int = 6, patch: int = 4, image: int = 8):
+        super().__init__()
+        self.proj = nn.Conv2d(3, d, patch, patch)
+        positions = (image // patch) ** 2 + 1
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.randn(1, positions, d))
+        self.drop = nn.Dropout(0.0)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x).flatten(2).transpose(1, 2)
+        h = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), h), dim=1)
+        h = self.drop(h + self.pos_embed)
+        return self.head(torch.tanh(h))
+
+
+class LayerScaleBlock(nn.Module):
+    """CaiT / ConvNeXt style: gammas owned by the block, around a norm and an MLP."""
+
+    def __init__(self, d: int = 5):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.gamma_1 = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.gamma_2 = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.gamma_1 * self.mlp(self.norm(x))
+        return x + self.mlp(x) * self.gamma_2
+
+
+class LearnedBias(nn.Module):
+    """A Linear without bias and a bias of the module's own, added with ``+``."""
+
+    def __init__(self, d: int = 4, out: int = 3):
+        super().__init__()
+        self.lin = nn.Linear(d, out, bias=False)
+        self.bias = nn.Parameter(torch.randn(out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + self.bias
+
+
+class SlicedPositions(nn.Module):
+    """``x + pos_embed[:, :T]`` (a slice: pulled back through the recorded ``__getitem__``),
+    and a nonlinear function of a raw parameter, ``tanh(scale.T) * 2`` (``.T``: a property)."""
+
+    def __init__(self, d: int = 4, positions: int = 7):
+        super().__init__()
+        self.lin = nn.Linear(3, d)
+        self.pos_embed = nn.Parameter(torch.randn(1, positions, d))
+        self.scale = nn.Parameter(torch.randn(d, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        h = h + self.pos_embed[:, : h.shape[1]]
+        return h * (torch.tanh(self.scale.T) * 2)
+
+
+class UsedTwice(nn.Module):
+    """One parameter in two use sites (before and after a child), and a derived value used
+    twice (``2 * shift``)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        doubled = self.shift * 2
+        h = self.lin(x * self.scale + doubled)
+        return torch.tanh(h) * self.scale - doubled
+
+
+class Reused(nn.Module):
+    """A block with raw parameters called twice in one forward (its calls' sites summed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = LayerScaleBlock(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(torch.tanh(self.block(x))))
+
+
+def images(batch: int) -> list[Tensor]:
+    return [torch.randn(batch, 3, 8, 8)]
+
+
+CASES = {
+    "vit": (ViTLike, images),
+    "layer_scale": (LayerScaleBlock, lambda b: [torch.randn(b, 3, 5)]),
+    "learned_bias": (LearnedBias, lambda b: [torch.randn(b, 2, 4)]),
+    "sliced_positions": (SlicedPositions, lambda b: [torch.randn(b, 5, 3)]),
+    "used_twice": (UsedTwice, lambda b: [torch.randn(b, 3, 4)]),
+    "reused": (Reused, lambda b: [torch.randn(b, 3, 4)]),
+    "timm_like": (TimmLikeViT, images),
+}
+
+
+def frozen_cls_token() -> ViTLike:
+    model = ViTLike()
+    model.cls_token.requires_grad_(False)
+    return model
+
+
+CASES["frozen"] = (frozen_cls_token, images)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
+
+
+def losses_of(output: Tensor) -> Tensor:
+    return weighted_square(output)
+
+
+def reduce(losses: Tensor, loss_type: str) -> Tensor:
+    return losses.mean() if loss_type == "mean" else losses.sum()
+
+
+def truth(model: nn.Module, inputs: list[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """The float64 loop on a copy: total norms [B] and per-sample gradients."""
+    reference = copy.deepcopy(model).double()
+    inputs = [x.double() for x in inputs]
+    total, _, grads = loop_norms(reference, inputs, losses_of, "mean")
+    return total, grads
+
+
+def assert_close(got: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype
+                 ) -> None:
+    assert got.keys() == expected.keys()
+    for n in expected:
+        torch.testing.assert_close(got[n].double(), expected[n], **tolerance(dtype),
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def no_units(model: nn.Module) -> None:
+    state = psh.add_hooks(model)
+    assert state.units == set()
+    psh.remove_hooks(model)
+
+
+# ----------------------------------------------------------------------------- quantities
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_grad1_norms_and_clipping_match_the_loop(case, loss_type, dtype):
+    """grad1, compute_norms (total and per parameter) and clip_grads of one backward, against
+    the float64 loop; no module is a unit of the torch.func fallback."""
+    build, make_inputs = CASES[case]
+    torch.manual_seed(0)
+    model = build().to(dtype)
+    inputs = [x.to(dtype) for x in make_inputs(5)]
+    no_units(model)
+    total, grads = truth(model, inputs)
+    with psh.add_hooks(model, check_unseen="always"):
+        model.zero_grad(set_to_none=True)
+        reduce(losses_of(model(*inputs)), loss_type).backward()
+        norms = psh.compute_norms(model, loss_type)
+        per_param = psh.compute_norms(model, loss_type, per_param=True)
+        psh.compute_grad1(model, loss_type)
+        grad1 = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+        clipped_norms = psh.clip_grads(model, 0.5, loss_type)
+        clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert_close(grad1, grads, dtype)
+    torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
+    torch.testing.assert_close(clipped_norms.double(), total, **tolerance(dtype))
+    assert_close(per_param, {n: g.flatten(1).norm(dim=1) for n, g in grads.items()}, dtype)
+    assert_close(clipped, loop_clipped(grads, total, 0.5, loss_type), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen"])
+def test_dpsgd_steps_match_the_loop(case, dtype):
+    """DPSGD (no noise, lr 0): the first step (checked: an ordinary backward) and the next ones
+    (the output-edge backward, which must reach the watched use sites; per-sample gradients
+    formed on arrival where that pays) give the loop's clipped mean."""
+    build, make_inputs = CASES[case]
+    torch.manual_seed(0)
+    model = build().to(dtype)
+    state = psh.add_hooks(model)
+    state.unseen.schedule.budget = 0.0  # checked: the first step only
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+               max_grad_norm=0.5, dataset_size=20, batch_size=5, accountant=None)
+    try:
+        for step in range(3):
+            inputs = [x.to(dtype) for x in make_inputs(5)]
+            dp.zero_grad()
+            dp.backward(losses_of(model(*inputs)).mean())
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            assert all(p.grad is None for p in trainable) == (step > 0)  # the edge backward
+            dp.step()
+            got = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            total, grads = truth(model, inputs)
+            assert_close(got, loop_clipped(grads, total, 0.5, "mean"), dtype)
+    finally:
+        dp.close()
+        psh.remove_hooks(model)
+
+
+def test_transformers_vit_for_image_classification():
+    """The tiny transformers ViT, called as model(pixel_values=x, labels=y).loss: its
+    embeddings are no unit (the patch convolution keeps its rule) and every row of grad1, the
+    norms and the clipped gradient match the loop, float32 and float64."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, image_size=16, patch_size=4,
+                                    num_labels=3)
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(0)
+        model = transformers.ViTForImageClassification(config).to(dtype)
+        x, y = torch.randn(4, 3, 16, 16, dtype=dtype), torch.tensor([0, 2, 1, 2])
+        reference = copy.deepcopy(model).double()
+        params = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+        grads = {n: [] for n in params}
+        for i in range(4):
+            loss = reference(pixel_values=x[i:i + 1].double(), labels=y[i:i + 1]).loss
+            for n, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+                grads[n].append(g)
+        grads = {n: torch.stack(g) for n, g in grads.items()}
+        total = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+        with psh.add_hooks(model, check_unseen="always") as state:
+            assert state.units == set()
+            assert model.vit.embeddings.patch_embeddings.projection in state.modules
+            model(pixel_values=x, labels=y).loss.backward()
+            norms = psh.compute_norms(model)
+            psh.compute_grad1(model)
+            got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            psh.clip_grads(model, 1.0)
+            clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert_close(got, grads, dtype)
+        torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
+        assert_close(clipped, loop_clipped(grads, total, 1.0, "mean"), dtype)
+
+
+def hooks_on(model: nn.Module) -> list[int]:
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_hooks_always_called)
+            + len(m._forward_pre_hooks_with_kwargs) for m in model.modules()]
+
+
+def test_timm_like_model_has_no_unit_and_children_keep_their_rules():
+    """Modules with raw parameters nested (the model, its blocks) keep every module below
+    them on its own rule; remove_hooks takes every hook away."""
+    model = TimmLikeViT()
+    with psh.add_hooks(model) as state:
+        assert state.units == set()
+        rules = {name: type(state.rules[m]).__name__ for m, (name, _) in state.modules.items()}
+    assert rules["TimmLikeViT"] == rules["blocks.0"] == "RawParameterRule"
+    assert rules["patch_embed.proj"] == "ConvRule" and rules["blocks.1.attn.qkv"] == "LinearRule"
+    assert hooks_on(model) == [0] * len(list(model.modules()))
+
+
+class NoModeInside(nn.Linear):
+    """A Linear that checks, as it runs, that no torch function mode is active."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert torch._C._len_torch_function_stack() == 0, "a mode was active in a child"
+        return super().forward(x)
+
+
+class Failing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = NoModeInside(3, 3)
+        self.bias = nn.Parameter(torch.zeros(3))
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fail:
+            raise ValueError("boom")
+        return self.lin(x) + self.bias
+
+
+def test_children_run_without_the_mode_and_an_exception_leaves_none_behind():
+    torch.manual_seed(0)
+    model = Failing().double()
+    with psh.add_hooks(model):
+        model.fail = True
+        with pytest.raises(ValueError, match="boom"):
+            model(torch.randn(2, 3, dtype=torch.double))
+        assert torch._C._len_torch_function_stack() == 0
+        model.fail = False
+    assert_matches_loop(model, [torch.randn(4, 3)])
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_batch_one_and_batch_dim_one():
+    """B = 1 (every tensor has the batch's size at dim 0), and the batch at dim 1: the class
+    token expanded along dim 1, positions [T, 1, d]."""
+    torch.manual_seed(0)
+    assert_matches_loop(ViTLike(), images(1))
+    assert_matches_loop(TimmLikeViT(), images(1))
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+            self.cls = nn.Parameter(torch.randn(1, 1, 4))
+            self.pos = nn.Parameter(torch.randn(6, 1, 4))
+
+        def forward(self, x):  # x [T, B, 3]
+            h = torch.cat((self.cls.expand(-1, x.shape[1], -1), self.lin(x)), dim=0)
+            return h + self.pos[: h.shape[0]]
+
+    model = SequenceFirst().double()
+    x = torch.randn(4, 3, 3, dtype=torch.double)
+    with psh.add_hooks(model, batch_dim=1):
+        weighted_square(model(x).transpose(0, 1)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    expected = loop_grads_of(model, ([x[:, i:i + 1]] for i in range(3)),
+                             lambda out: weighted_square(out.transpose(0, 1)))
+    assert_close(got, expected, torch.float64)
+
+
+def test_second_moments_after_backprop_hess():
+    """Several backward passes (backprop_hess): each pass's use-site gradients are paired with
+    its output gradients; the Fisher diagonal is sum_i sum_k J_ik^2 of the loop."""
+    torch.manual_seed(0)
+    model = ViTLike().double()
+    x = images(3)[0].double()
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x)[:, 0], "LeastSquares")
+        fisher = psh.compute_fisher_diag(model)
+    params = dict(model.named_parameters())
+    expected = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(3):
+        out = model(x[i:i + 1])[0, 0]
+        for k in range(out.shape[0]):
+            rows = torch.autograd.grad(out[k], list(params.values()), retain_graph=True)
+            for n, g in zip(params, rows):
+                expected[n] += g ** 2
+    assert_close(fisher, expected, torch.float64)
+
+
+def test_hooked_model_pickles_and_the_copy_is_not_hooked():
+    torch.manual_seed(0)
+    model = ViTLike().double()
+    x = images(3)[0].double()
+    with psh.add_hooks(model):
+        out = model(x)
+        for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+            assert torch.equal(copied(x), out)
+            assert torch._C._len_torch_function_stack() == 0
+        out.sum().backward()
+        psh.compute_grad1(model)
+    assert_matches_loop(copied, [x])
+
+
+def test_compiled_after_hooking_is_exact():
+    """Hook, then torch.compile (aot_eager): exact through steps of two batch sizes."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ViTLike()
+    psh.add_hooks(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        for batch in (4, 4, 2):
+            x = images(batch)[0]
+            model.zero_grad(set_to_none=True)
+            weighted_square(compiled(x)).sum().backward()
+            psh.compute_grad1(model, "sum")
+            got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            psh.disable_hooks(model)
+            expected = loop_grads(copy.deepcopy(model).double(), [x.double()],
+                                  weighted_square, batch)
+            psh.enable_hooks(model)
+            assert_close(got, expected, torch.float32)
+    finally:
+        psh.remove_hooks(model)
+        torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- refusals
+
+class RawMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.weight = nn.Parameter(torch.randn(2, 3))
+
+    def forward(self, x):
+        return self.lin(x) @ self.weight.T  # .T: a property, followed as any op
+
+
+class PassedToChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.pos = nn.Parameter(torch.randn(1, 3))
+
+    def forward(self, x):
+        return self.lin(x) + self.lin(self.pos)
+
+
+class Returned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.lin(x), self.gamma * 2
+
+
+class ChildWeightInOwnCode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return F.linear(self.lin(x), self.lin.weight) + self.bias
+
+
+class MixesTheBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + self.gamma * h.mean(0)  # every sample's gamma term depends on all samples
+
+
+class WritesInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        scale = self.gamma * 1.0
+        scale.mul_(2)
+        return self.lin(x) * scale
+
+
+class Scale(torch.autograd.Function):
+    """``x * g`` as a custom autograd Function (its apply is no torch function)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, g):
+        return x * g
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, g = ctx.saved_tensors
+        return grad * g, (grad * x).sum(0)
+
+
+class CustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return torch.tanh(Scale.apply(self.lin(x), self.gamma))
+
+
+REFUSALS = {
+    CustomFunction: r"'gamma' in a computation whose gradient .* custom "
+                    r"torch.autograd.Function\?\), then in `tanh`",
+    RawMatmul: r"'weight'.*together with the batch in `matmul`",
+    PassedToChild: r"passes a value of its raw parameter\(s\) 'pos' to a call of its child 'lin'",
+    Returned: r"returns a value of its raw parameter\(s\) 'gamma'",
+    ChildWeightInOwnCode: r"uses 'lin.weight', a parameter of a module below it, in `linear`",
+    MixesTheBatch: r"'gamma' together with the batch in `mul`",
+    WritesInPlace: r"writes in place .*'gamma' \(`mul_`\)",
+}
+
+
+@pytest.mark.parametrize("module", list(REFUSALS), ids=lambda m: m.__name__)
+def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
+    """Each use the narrow path cannot follow is refused by compute_* with the module, what
+    it did and add_hooks(model, units=[name]); with that, the fallback unit is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), module()).double()
+
+    def loss_fn(out):
+        out = out if isinstance(out, Tensor) else out[0] + out[1]
+        return weighted_square(out)
+
+    x = torch.randn(4, 3, dtype=torch.double)
+    for compute in (psh.compute_grad1, psh.compute_norms, lambda m: psh.clip_grads(m, 1.0)):
+        with psh.add_hooks(model):
+            loss_fn(model(x)).mean().backward()
+            with pytest.raises(psh.PerSampleHooksError) as error:
+                compute(model)
+        message = str(error.value)
+        assert f"'1' ({module.__name__}) " in message
+        assert re.search(REFUSALS[module], message), message
+        assert "units=['1']" in message
+    if module not in (MixesTheBatch, Returned):  # the loop cannot take those
+        assert_matches_loop(model, [x], loss_fn=loss_fn, units=["1"])
+
+
+def test_mixing_the_batch_refused_also_when_positions_match_the_batch():
+    """``gamma * h.mean(0)`` with a [B, B] input: shapes alone cannot tell; refused."""
+    model = nn.Sequential(MixesTheBatch()).double()
+    with psh.add_hooks(model):
+        model(torch.randn(3, 3, dtype=torch.double)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="together with the batch"):
+            psh.compute_grad1(model)
