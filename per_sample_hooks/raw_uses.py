@@ -21,12 +21,13 @@ The mode sorts the tensors of the module's own ops into three kinds:
 
 A derived tensor ``t`` meets the batch at a *use site*: an elementwise broadcasting op (add,
 sub, mul, div, their Tensor methods, in-place forms and ``rsub``, ``addcmul``, ``addcdiv``,
-``lerp``, ``where``, ``maximum``, ``minimum``, ``pow``) or an expand-like op (``expand``,
-``expand_as``, ``broadcast_to``, ``repeat``) whose output has size ``B`` at ``batch_dim`` where
-``t`` (its shape padded with leading 1s to the output's rank) has 1. The op is run with ``t``
-replaced by ``t_b``, ``t`` padded and expanded to ``B`` at that dim: the same values, and the
-gradient autograd gives ``t_b`` is ``[..., B, ...]`` with row ``b`` from sample ``b`` only, ``t``'s
-per-sample gradient (the op's backward has already summed every other broadcast dim). ``t_b``
+``lerp``, ``where``, ``maximum``, ``minimum``, ``pow``) with a batched input, or an expand-like
+op (``expand``, ``expand_as``, ``broadcast_to``, ``repeat``), whose output has size ``B`` at
+``batch_dim`` where ``t`` (its shape padded with leading 1s to the output's rank) has 1. The op
+is run with ``t`` replaced by ``t_b``, ``t`` padded and expanded to ``B`` at that dim: the same
+values, and the gradient autograd gives ``t_b`` is ``[..., B, ...]`` with row ``b`` from sample
+``b`` only, ``t``'s per-sample gradient (the op's backward has already summed every other
+broadcast dim). ``t_b``
 is watched (:attr:`Call.watched <per_sample_hooks.capture.Call>`); the call's note, a
 :class:`Uses`, says which derived value each watched tensor stands for.
 
@@ -269,12 +270,12 @@ class _Forward:
                 if tracked:
                     self.unseen[id(o)] = (o, values)
             return out
-        in_place = _in_place(func, kwargs)
-        if in_place and (id(args[0]) in self.tracked or not batched):
+        target = args[0] if args else kwargs.get("input")
+        if _in_place(func, kwargs) and (id(target) in self.tracked or not batched):
             self.refuse(f"writes in place into a value of, or with a value of, its raw "
                         f"parameter(s) {values} (`{_name(func)}`) without the batch")
             return func(*args, **kwargs)
-        if func in ELEMENTWISE or func in EXPANDS or func in REPEAT:
+        if (func in ELEMENTWISE and batched) or func in EXPANDS or func in REPEAT:
             shape = self.output_shape(func, args, kwargs, inputs)
             dim = self.dim_in(shape)
             if dim is not None and all(self.padded_size(t, len(shape), dim) == 1

@@ -102,6 +102,21 @@ class UsedTwice(nn.Module):
         return torch.tanh(h) * self.scale - doubled
 
 
+class TokenOnZeros(nn.Module):
+    """A class token added to zeros made from the batch (``x.new_zeros``: batched, as
+    everything computed from the input) rather than expanded."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.lin = nn.Linear(3, d)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        token = x.new_zeros(x.shape[0], 1, h.shape[2]) + self.cls_token
+        return torch.cat((token, h), dim=1)
+
+
 class Reused(nn.Module):
     """A block with raw parameters called twice in one forward (its calls' sites summed)."""
 
@@ -124,6 +139,7 @@ CASES = {
     "learned_bias": (LearnedBias, lambda b: [torch.randn(b, 2, 4)]),
     "sliced_positions": (SlicedPositions, lambda b: [torch.randn(b, 5, 3)]),
     "used_twice": (UsedTwice, lambda b: [torch.randn(b, 3, 4)]),
+    "token_on_zeros": (TokenOnZeros, lambda b: [torch.randn(b, 2, 3)]),
     "reused": (Reused, lambda b: [torch.randn(b, 3, 4)]),
     "timm_like": (TimmLikeViT, images),
 }
@@ -471,6 +487,16 @@ class WritesInPlace(nn.Module):
         return self.lin(x) * scale
 
 
+class TokenOnConstant(TokenOnZeros):
+    """``torch.zeros(B, 1, d)`` is no batch (made from nothing): the token plus it is still a
+    value without the batch, and concatenating it with the batch is refused."""
+
+    def forward(self, x):
+        h = self.lin(x)
+        token = torch.zeros(x.shape[0], 1, h.shape[2], dtype=x.dtype) + self.cls_token
+        return torch.cat((token, h), dim=1)
+
+
 class Scale(torch.autograd.Function):
     """``x * g`` as a custom autograd Function (its apply is no torch function)."""
 
@@ -501,6 +527,7 @@ class CustomFunction(nn.Module):
 
 
 REFUSALS = {
+    TokenOnConstant: r"'cls_token' together with the batch in `cat`",
     CustomFunction: r"'gamma' in a computation whose gradient .* custom "
                     r"torch.autograd.Function\?\), then in `tanh`",
     RawMatmul: r"'weight'.*together with the batch in `matmul`",
@@ -518,12 +545,14 @@ def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
     it did and add_hooks(model, units=[name]); with that, the fallback unit is exact."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), module()).double()
+    x = torch.randn(4, 3, dtype=torch.double)
+    if issubclass(module, TokenOnZeros):
+        model, x = nn.Sequential(nn.Identity(), module()).double(), x.view(4, 1, 3)
 
     def loss_fn(out):
         out = out if isinstance(out, Tensor) else out[0] + out[1]
         return weighted_square(out)
 
-    x = torch.randn(4, 3, dtype=torch.double)
     for compute in (psh.compute_grad1, psh.compute_norms, lambda m: psh.clip_grads(m, 1.0)):
         with psh.add_hooks(model):
             loss_fn(model(x)).mean().backward()
