@@ -1,0 +1,97 @@
+"""Raw parameters of a module with children, followed op by op, against that module as one
+unit of the torch.func fallback (what it was before this path existed):
+
+- ``vit``: transformers' ViTForImageClassification, hidden 128, 2 layers, 32x32 images in
+  4x4 patches (64 patches), 10 classes; its embeddings (class token, position embeddings
+  around the patch convolution) against ``units=["vit.embeddings"]``;
+- ``timm``: ``tests/models.py``'s TimmLikeViT of the same sizes, whose top-level module owns
+  ``cls_token`` and ``pos_embed`` and whose blocks own their LayerScale gammas, against the
+  whole model as one unit (``units=[""]``).
+
+    PYTHONPATH=$PWD python -m benchmarks.raw_parameters --threads 1 --rounds 20
+
+Methods (one full step each, interleaved in one process, see harness.py; each on its own copy
+of the model, hooked with the defaults, the unseen-use check included):
+
+- ``plain``: forward + backward of the mean cross-entropy, unhooked;
+- ``clip``: hooked forward + backward + ``clip_grads(model, 1.0)``;
+- ``grad1``: hooked forward + backward + ``compute_grad1``;
+- ``... unit``: the same with the module as a fallback unit.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from models import TimmLikeViT  # noqa: E402
+
+import per_sample_hooks as psh  # noqa: E402
+from benchmarks.harness import compare, print_table  # noqa: E402
+
+HIDDEN, LAYERS, IMAGE, CLASSES = 128, 2, 32, 10
+
+
+def make_methods(model: str = "vit", batch: int = 16) -> dict:
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 3, IMAGE, IMAGE), torch.randint(0, CLASSES, (batch,))
+    if model == "vit":
+        from transformers import ViTConfig, ViTForImageClassification
+        config = ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                           intermediate_size=4 * HIDDEN, image_size=IMAGE, patch_size=4,
+                           num_labels=CLASSES)
+        net, unit = ViTForImageClassification(config).train(), "vit.embeddings"
+
+        def loss_of(m: torch.nn.Module) -> torch.Tensor:
+            return m(pixel_values=x, labels=y).loss
+    else:
+        net = TimmLikeViT(HIDDEN, heads=4, depth=LAYERS, image=IMAGE, classes=CLASSES)
+        unit = ""
+
+        def loss_of(m: torch.nn.Module) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(m(x), y)
+
+    def step(m: torch.nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        loss_of(m).backward()
+
+    def hooked(compute, **options):
+        m = copy.deepcopy(net)
+        psh.add_hooks(m, **options)
+
+        def run() -> None:
+            step(m)
+            compute(m)
+        return run
+
+    plain = copy.deepcopy(net)
+    clip = lambda m: psh.clip_grads(m, 1.0)  # noqa: E731
+    return {"plain": lambda: step(plain),
+            "clip": hooked(clip), "clip unit": hooked(clip, units=[unit]),
+            "grad1": hooked(psh.compute_grad1),
+            "grad1 unit": hooked(psh.compute_grad1, units=[unit])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--models", nargs="+", default=["vit", "timm"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    titles = {"vit": "transformers ViT", "timm": "timm-like ViT (top-level cls/pos, gammas)"}
+    for model in args.models:
+        results = compare(make_methods(model, args.batch), rounds=args.rounds, warmup=3)
+        print_table(results, "plain", f"{titles[model]}, hidden {HIDDEN}, {LAYERS} layers, 64 "
+                    f"patches, B={args.batch}, float32, {args.threads} thread(s)")
+
+
+if __name__ == "__main__":
+    main()
