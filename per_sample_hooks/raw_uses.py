@@ -357,9 +357,10 @@ class _Forward:
             entry = self.tracked.get(id(a))
             return a if entry is None else entry[1]
         args_, kwargs_ = _replace(args, kwargs, Tensor, template)
-        several = not isinstance(out, Tensor)
-        for index, o in enumerate(_outputs(out)):
-            if o.requires_grad and id(o) not in self.tracked and id(o) not in self.batched:
+        several = isinstance(out, (tuple, list))
+        for index, o in enumerate(out if several else [out]):
+            if isinstance(o, Tensor) and o.requires_grad and id(o) not in self.tracked \
+                    and id(o) not in self.batched:
                 self.tracked[id(o)] = (o, Derived(func=func, args=args_, kwargs=kwargs_,
                                                   index=index if several else None))
         return out

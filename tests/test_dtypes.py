@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import TimmLikeViT
 from torch import nn
 
 import per_sample_hooks as psh
@@ -48,10 +49,11 @@ def models() -> list[tuple[str, nn.Module, tuple[int, ...]]]:
         ("cnn", nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
                               nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
                               nn.Linear(4 * 3 * 3, 3)), (2, 5, 5)),
+        ("vit", TimmLikeViT(), (3, 8, 8)),  # raw parameters followed in bfloat16 ops
     ]
 
 
-@pytest.mark.parametrize("index", range(4), ids=[m[0] for m in models()])
+@pytest.mark.parametrize("index", range(len(models())), ids=[m[0] for m in models()])
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 def test_autocast_bfloat16_forward(index, loss_type):
     _, model, shape = models()[index]
@@ -98,14 +100,14 @@ def test_autocast_captures_are_not_kept_in_float32_twice():
         torch.testing.assert_close(model[0].weight.grad1, first, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("index", range(4), ids=[m[0] for m in models()])
+@pytest.mark.parametrize("index", range(len(models())), ids=[m[0] for m in models()])
 def test_float64_parameters(index):
     _, model, shape = models()[index]
     got = assert_matches_loop(model, [torch.randn(5, *shape)], loss_type="sum")
     assert all(g.dtype == torch.float64 for g in got.values())
 
 
-@pytest.mark.parametrize("index", range(4), ids=[m[0] for m in models()])
+@pytest.mark.parametrize("index", range(len(models())), ids=[m[0] for m in models()])
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 def test_bfloat16_parameters(index, loss_type):
     _, model, shape = models()[index]

@@ -102,6 +102,20 @@ class UsedTwice(nn.Module):
         return torch.tanh(h) * self.scale - doubled
 
 
+class SeveralOutputs(nn.Module):
+    """Values from ops with several outputs: ``torch.max(p, 0)`` (a named tuple) and
+    ``p.chunk(2)``, replayed by index."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.p = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        first, second = self.p.chunk(2, 0)
+        return self.lin(x) * torch.max(self.p, dim=0).values + first * 2 - second
+
+
 class TokenOnZeros(nn.Module):
     """A class token added to zeros made from the batch (``x.new_zeros``: batched, as
     everything computed from the input) rather than expanded."""
@@ -140,6 +154,7 @@ CASES = {
     "sliced_positions": (SlicedPositions, lambda b: [torch.randn(b, 5, 3)]),
     "used_twice": (UsedTwice, lambda b: [torch.randn(b, 3, 4)]),
     "token_on_zeros": (TokenOnZeros, lambda b: [torch.randn(b, 2, 3)]),
+    "several_outputs": (SeveralOutputs, lambda b: [torch.randn(b, 2, 3)]),
     "reused": (Reused, lambda b: [torch.randn(b, 3, 4)]),
     "timm_like": (TimmLikeViT, images),
 }
