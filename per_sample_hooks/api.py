@@ -187,7 +187,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             if p.requires_grad:
                 owners.setdefault(p, f"{prefix}{n}")
     # followed modules are recorded even when frozen: their code may use a child's weight
-    observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | followed
+    observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call))
     for module in followed:

@@ -270,7 +270,7 @@ class HookState:
     capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
     ``(module, call) -> batch size`` of a call (raises when it cannot tell).
     Written outside this file: ``enabled`` (pausing capture), ``unseen`` and ``broadcast``
-    (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``watchers`` and ``on_watch``
+    (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``watchers`` and ``on_capture``
     (add-ons' callbacks).
 
     Inputs broadcast over the batch (``broadcast``): a call with batch size 1 in a step whose
@@ -310,7 +310,8 @@ class HookState:
         # watchers[module]() gives, as a call of ``module`` is recorded, tensors of its forward
         # whose gradients are captured too (Call.watched) and a note on the call (Call.note)
         self.watchers: dict[nn.Module, Callable[[], tuple[list[Tensor], object]]] = {}
-        self.on_watch: list[Callable[[Tensor], None]] = []  # told each tensor watched
+        # told each tensor whose gradient is captured (a call's outputs, watched tensors)
+        self.on_capture: list[Callable[[Tensor], None]] = []
         for module in modules:
             self.handles.append(module.register_forward_hook(ForwardHook(self, module),
                                                              with_kwargs=True))
@@ -367,13 +368,15 @@ class HookState:
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 capture_gradient(leaf, grads, self, arrived)
+                for notify in self.on_capture:
+                    notify(leaf)
         watcher = self.watchers.get(owner)
         if watcher is not None:
             tensors, call.note = watcher()
             for tensor in tensors:
                 call.watched.append([])
                 capture_gradient(tensor, call.watched[-1], self)
-                for notify in self.on_watch:
+                for notify in self.on_capture:
                     notify(tensor)
         self.calls[owner].append(call)
         return output
@@ -381,10 +384,12 @@ class HookState:
     def captures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` is recorded: it has a trainable parameter (a unit: below
         it too), or it is observed anyway."""
+        if module in self.observed:
+            return True
         for p in module.parameters() if module in self.units else module._parameters.values():
             if p is not None and p.requires_grad:
                 return True
-        return module in self.observed
+        return False
 
     def _batch_or_none(self, module: nn.Module, call: Call) -> int | None:
         try:

@@ -219,8 +219,8 @@ class DPSGD:
         return norms
 
     def close(self) -> None:
-        """Remove the forward hooks of :meth:`backward` (the capture hooks stay: remove them
-        with :func:`~per_sample_hooks.remove_hooks`)."""
+        """Stop recording the output edges of :meth:`backward` (the capture hooks stay: remove
+        them with :func:`~per_sample_hooks.remove_hooks`)."""
         self.output_edges.remove()
 
     def epsilon(self, delta: float) -> float:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
 
 from .api import add_hooks
 from .capture import gradient_tensor
@@ -53,30 +52,18 @@ class OutputEdges:
         self.edges: list[Any] = []
         self.form_on_arrival = form_on_arrival
         self._state = state
-        self._handles = [module.register_forward_hook(self._record)
-                         for module in state.modules]
         state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
-        state.on_watch.append(self._record_watched)  # tensors inside a forward (raw_uses)
+        state.on_capture.append(self._record)
 
     def __getstate__(self) -> dict:
-        """A copy (pickling or ``copy.deepcopy`` of the model whose hooks are this object's
-        ``_record``) has no state, edges or handles: its hooks do nothing."""
-        return {**self.__dict__, "_state": None, "edges": [], "_handles": []}
+        """A copy (pickling or ``copy.deepcopy`` of a model whose state holds this object) has
+        no state or edges."""
+        return {**self.__dict__, "_state": None, "edges": []}
 
-    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
-        # a copy of the model (copy.deepcopy, pickling) has a copy of this hook, and no state:
-        # a no-op
-        if self._state is None or not self._state.enabled or not torch.is_grad_enabled() \
-                or not self._state.captures(module):  # frozen: its gradient is not wanted
-            return
-        for leaf in tree_flatten(output)[0]:
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
-                self.edges.append(get_gradient_edge(gradient_tensor(leaf)))
-
-    def _record_watched(self, tensor: Tensor) -> None:
-        """A tensor inside a hooked module's forward whose gradient the hooks capture too."""
-        if self._state is not None:
-            self.edges.append(get_gradient_edge(tensor))
+    def _record(self, tensor: Tensor) -> None:
+        """A tensor whose gradient the hooks capture (told by the capture hook, so only what
+        is recorded: not a frozen module's output)."""
+        self.edges.append(get_gradient_edge(gradient_tensor(tensor)))
 
     def check_due(self) -> bool:
         """Whether the unseen-use check runs on this step (it needs parameter gradients)."""
@@ -118,13 +105,13 @@ class OutputEdges:
         self.edges = []
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        if self._state is not None and self.clear in self._state.on_clear:
-            self._state.on_clear.remove(self.clear)
-        if self._state is not None and self._record_watched in self._state.on_watch:
-            self._state.on_watch.remove(self._record_watched)
-        self._handles, self.edges = [], []
+        """Stop recording edges (the capture hooks stay)."""
+        if self._state is not None:
+            if self.clear in self._state.on_clear:
+                self._state.on_clear.remove(self.clear)
+            if self._record in self._state.on_capture:
+                self._state.on_capture.remove(self._record)
+        self.edges = []
 
 
 __all__ = ["OutputEdges"]
