@@ -1,7 +1,8 @@
 """Real models as their users call them: tiny random-init transformers models (GPT-2 with tied
 embeddings and broadcast position ids, BERT with a padding mask, Llama with tied embeddings and
-grouped-query attention) and peft LoRA, exact against the float64 per-sample loop for grad1,
-norms, clipping and a DPSGD step."""
+grouped-query attention, ViT with its class token and position embeddings) and peft LoRA, exact
+against the float64 per-sample loop for grad1, norms, clipping and a DPSGD step; no module is
+a torch.func fallback unit."""
 from __future__ import annotations
 
 import warnings
@@ -40,6 +41,14 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def vit() -> nn.Module:
+    config = transformers.ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=32, image_size=8, patch_size=4,
+                                    num_labels=3, hidden_dropout_prob=0,
+                                    attention_probs_dropout_prob=0)
+    return transformers.ViTForImageClassification(config)
+
+
 def gpt2_lora() -> nn.Module:
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
@@ -64,8 +73,14 @@ def classification_batch(generator: torch.Generator) -> dict[str, Tensor]:
             "labels": torch.randint(0, 3, (B,), generator=generator)}
 
 
+def image_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    return {"pixel_values": torch.randn(B, 3, 8, 8, generator=generator),
+            "labels": torch.randint(0, 3, (B,), generator=generator)}
+
+
 MODELS = {"gpt2": (gpt2, causal_lm_batch), "bert": (bert, classification_batch),
-          "llama": (llama, causal_lm_batch), "gpt2-lora": (gpt2_lora, causal_lm_batch)}
+          "llama": (llama, causal_lm_batch), "vit": (vit, image_batch),
+          "gpt2-lora": (gpt2_lora, causal_lm_batch)}
 
 
 def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Tensor]]:
