@@ -46,6 +46,25 @@ position ``t``, with a constant 1 appended when the layer has a trainable bias.
   not ``is_contiguous()``; call ``.contiguous()`` before ``.view``); it is symmetric up to the
   rounding of one matrix product; it is reused at the next ``compute_kfac`` once you no
   longer hold it (clone what you keep).
+
+  Layers without that structure, by default (:class:`KFACFactors` tells them apart):
+
+  - ``nn.Embedding`` ``[V, d]``, a Linear on one-hot inputs: ``A`` is diagonal, returned as
+    its diagonal ``a [V]`` (``expand``: the share of the step's tokens that hit each row,
+    ``a_v = count_v / (N T)``; ``reduce``: the diagonal of the reduce ``A``), ``G [d, d]`` the
+    output-gradient second moment as above; ``kron(diag(a), G)`` approximates the block of the
+    weight flattened row-major (the diagonal input factor of TensorFlow K-FAC's
+    ``EmbeddingKFACFB`` and kfac-pytorch's ``EmbeddingLayer``). Padding tokens have no
+    gradient and count in neither factor (``N T``: the tokens that are not padding).
+  - every other layer (normalization, EmbeddingBag, attention, recurrent, the torch.func
+    fallback, transformers' ``Conv1D``) and the trainable bias of a layer whose weight is
+    frozen: the curvature diagonal of each parameter, ``diag(p.hess)`` of
+    :func:`compute_hess` (``scale/N^2`` times :func:`compute_fisher_diag`: ``1/N sum_i J_i^2``
+    for a mean loss), from the forms without forming the block.
+
+  A parameter shared by several modules (tied input and output embeddings) gets each
+  module's factors for that module's use of it, as if the uses were separate parameters: the
+  cross terms between the uses are in none of them.
 - ``compute_fisher_diag``: ``sum_i sum_k J_ik^2`` per parameter (``N`` times the diagonal of
   the (empirical) Fisher / GGN of the mean loss); ``compute_grad_variance``: the population
   variance ``1/N sum_i (g_i - mean g)^2`` of the per-sample gradients;
@@ -72,7 +91,8 @@ KFAC                appended), G = 1/N sum x x^T:     G = 1/N sum_{i,t} x x^T: o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -82,9 +102,9 @@ from torch import Tensor, nn
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form
-from .forms.kronecker import Approx, check_approx, weight_factors
+from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares
-from .rules.base import split_passes
+from .rules.base import Rule, split_passes
 from .rules.formed import FormedRule
 from .step import (
     LayerWork,
@@ -99,6 +119,7 @@ from .step import (
 HessType = Literal["LeastSquares", "CrossEntropy"]
 HESS_TYPES = ("LeastSquares", "CrossEntropy")
 Unsupported = Literal["raise", "skip"]
+KFACUnsupported = Literal["diagonal", "skip", "raise"]
 
 
 # ----------------------------------------------------------------------------- backprop_hess
@@ -242,9 +263,21 @@ def _curvature_layers(step: Step) -> Iterator[LayerWork]:
             yield layer
 
 
-def _check_unsupported(unsupported: str, caller: str) -> None:
-    if unsupported not in ("raise", "skip"):
-        raise ValueError(f"{caller}: unsupported must be 'raise' or 'skip', got {unsupported!r}")
+def _check_unsupported(unsupported: str, caller: str,
+                       choices: tuple[str, ...] = ("raise", "skip")) -> None:
+    if unsupported not in choices:
+        raise ValueError(f"{caller}: unsupported must be one of {choices}, got {unsupported!r}")
+
+
+def _squares(layer: LayerWork, names: list[str], batch: int, factor: float
+             ) -> dict[str, Tensor]:
+    """``{name: factor * sum_{passes, i} g_i^2}`` for ``names`` of ``layer`` (``g_i`` as
+    captured), from the forms (``forms.second_order.add_squares``)."""
+    totals = {n: torch.zeros_like(layer.parameters[n]) for n in names}
+    for forms in _pass_forms(layer, names):
+        for name, total in totals.items():
+            add_squares(total, forms[name], batch)
+    return {n: total.mul_(factor) for n, total in totals.items()}
 
 
 # ----------------------------------------------------------------------------- public
@@ -277,45 +310,128 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
             p.hess = block
 
 
+@dataclass(eq=False)
+class KFACFactors(Mapping[nn.Module, tuple[Tensor, Tensor]]):
+    """What :func:`compute_kfac` returns: each covered layer's curvature, by structure.
+
+    As a mapping it is :attr:`kronecker`, ``{module: (A, G)}``, what ``compute_kfac`` returned
+    before it covered other layers: code that iterates over it or indexes it by a Linear or
+    conv sees only full Kronecker factors. The other kinds are in their own fields, never
+    mixed with those.
+
+    Attributes:
+        kronecker: ``{module: (A, G)}`` for Linear / Conv1d/2d/3d with a trainable weight:
+            ``A [(groups,) da, da]``, ``G [(groups,) dg, dg]`` (see :mod:`.curvature`).
+        embeddings: ``{module: (a, G)}`` for nn.Embedding with a trainable weight
+            ``[V, d]``: ``a [V]`` the diagonal of ``A``, ``G [d, d]``; ``kron(diag(a), G)``
+            approximates the weight's block (row-major).
+        diagonal: ``{module: {local name: [*p.shape]}}``: the curvature diagonal of each
+            trainable parameter of the other layers (``unsupported="diagonal"``), local names
+            as the module's rule knows them (``"weight"``; a unit's ``"out_proj.weight"``).
+        skipped: qualified names (``model.named_parameters()``) of the trainable parameters
+            that ``unsupported="skip"`` left out.
+    """
+    kronecker: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    embeddings: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    diagonal: dict[nn.Module, dict[str, Tensor]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    def __getitem__(self, module: nn.Module) -> tuple[Tensor, Tensor]:
+        return self.kronecker[module]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.kronecker)
+
+    def __len__(self) -> int:
+        return len(self.kronecker)
+
+    def tensors(self) -> list[Tensor]:
+        """Every factor and diagonal: the Kronecker factors, the Embeddings' and the diagonals,
+        each in the order of the layers."""
+        return [*(t for pair in self.kronecker.values() for t in pair),
+                *(t for pair in self.embeddings.values() for t in pair),
+                *(t for diagonals in self.diagonal.values() for t in diagonals.values())]
+
+
+def _kronecker_structure(rule: Rule) -> Literal["outer", "rows"] | None:
+    """Which Kronecker factors ``rule`` (a module's own rule) gives its weight, if any."""
+    if rule.kronecker:
+        return "outer"
+    return "rows" if rule.one_hot_rows else None
+
+
 @torch.no_grad()
 def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossType = "mean", *,
-                 unsupported: Unsupported = "raise") -> dict[nn.Module, tuple[Tensor, Tensor]]:
-    """``{module: (A, G)}`` for every hooked Linear / Conv1d/2d/3d with a trainable weight
-    (frozen weight: module left out; output that did not reach the loss: left out).
+                 unsupported: KFACUnsupported = "diagonal") -> KFACFactors:
+    """Curvature of every trainable parameter of the hooked modules whose output reached the
+    loss, as a :class:`KFACFactors`: Kronecker factors ``(A, G)`` for Linear / Conv1d/2d/3d
+    (indexing the result by such a module gives them), ``(a, G)`` with a diagonal ``A`` for
+    nn.Embedding, and for everything else what ``unsupported`` says:
+
+    - ``"diagonal"`` (default): the parameter's curvature diagonal, scaled as the factors;
+    - ``"skip"``: nothing; its qualified name is listed in ``skipped``;
+    - ``"raise"``: :class:`~per_sample_hooks.errors.UnsupportedModuleError` naming the layer.
 
     Layout and scaling: see the module docstring (``kron(G, A)`` approximates the curvature
     block of the reduced loss for the weight matrix with the bias as last column; grouped conv
     factors carry a leading ``groups`` dim). GGN / Fisher factors after :func:`backprop_hess`,
-    empirical Fisher factors after an ordinary backward. ``unsupported="skip"`` leaves out
-    layers whose rule gives no Kronecker structure (:attr:`Rule.kronecker`) instead of raising.
+    empirical Fisher factors after an ordinary backward. A parameter shared by several modules
+    gets each module's factors for that module's use. A Linear or conv whose per-sample
+    gradients were formed on arrival (``OutputEdges(form_on_arrival=True)``) has lost the
+    records its factors need: refused unless ``unsupported="skip"``.
     """
     check_approx(approx, "compute_kfac")
-    _check_unsupported(unsupported, "compute_kfac")
+    _check_unsupported(unsupported, "compute_kfac", ("diagonal", "skip", "raise"))
     state, step = prepare_step(model, loss_type, "compute_kfac")
     check_unseen_uses(state, step)
-    factors = {}
+    result = KFACFactors()
+    names = parameter_names(model, step)
     for layer in _curvature_layers(step):
-        if "weight" not in layer.parameters and "weight" in layer.module._parameters:
-            continue  # frozen weight
-        if not layer.rule.kronecker:
-            why = ("its per-sample gradients were formed when its output gradient arrived "
-                   "(OutputEdges(model, form_on_arrival=True), as DPSGD does) and its input and "
-                   "output gradient were dropped: run an ordinary loss.backward(), or an "
-                   "OutputEdges without form_on_arrival, before compute_kfac."
-                   if isinstance(layer.rule, FormedRule) else
-                   f"its rule {type(layer.rule).__name__} gives no Kronecker structure (built "
-                   "in: Linear, Conv1d/2d/3d).")
-            if unsupported == "raise":
-                raise UnsupportedModuleError(
-                    f"compute_kfac: '{layer.name}': Kronecker factors are not available for "
-                    f"{type(layer.module).__name__}: {why} Pass unsupported='skip' to leave such "
-                    "layers out")
+        rest = list(layer.parameters)
+        rule = state.rules[layer.module]
+        structure = _kronecker_structure(rule)
+        formed = isinstance(layer.rule, FormedRule)
+        lost = formed and structure is not None and "weight" in rest  # records dropped
+        if structure is not None and "weight" in rest and not formed:
+            passes = [forms["weight"] for forms in _pass_forms(layer, ["weight"])]
+            spare = state.storage.scratch(layer.module, "kfac")
+            if structure == "outer":
+                result.kronecker[layer.module] = weight_factors(
+                    passes, "bias" in rest, step.scale, approx, spare)
+                rest = [n for n in rest if n not in ("weight", "bias")]
+            else:
+                result.embeddings[layer.module] = row_factors(
+                    passes, step.batch_size, step.scale, approx, spare)
+                rest.remove("weight")
+        if not rest:
             continue
-        passes = [forms["weight"] for forms in _pass_forms(layer, ["weight"])]
-        spare = state.storage.scratch(layer.module, "kfac")
-        factors[layer.module] = weight_factors(passes, "bias" in layer.parameters, step.scale,
-                                               approx, spare)
-    return factors
+        if unsupported == "skip":
+            result.skipped.extend(names[id(layer)][n] for n in rest)
+        elif lost or unsupported == "raise":
+            raise UnsupportedModuleError(_refusal(layer, rule, structure, lost, rest))
+        else:
+            result.diagonal[layer.module] = _squares(layer, rest, step.batch_size, step.scale)
+    return result
+
+
+def _refusal(layer: LayerWork, rule: Rule, structure: str | None, lost: bool,
+             rest: list[str]) -> str:
+    """Why ``layer`` (its own rule ``rule``) has no Kronecker factors for ``rest``."""
+    if lost:
+        why = ("its per-sample gradients were formed when its output gradient arrived "
+               "(OutputEdges(model, form_on_arrival=True), as DPSGD does) and its input and "
+               "output gradient were dropped: run an ordinary loss.backward(), or an "
+               "OutputEdges without form_on_arrival, before compute_kfac.")
+        choices = "Pass unsupported='skip' to leave such layers out"
+    else:
+        why = ("its weight is frozen, and its trainable bias has no Kronecker factors of its "
+               "own." if structure is not None else
+               f"its rule {type(rule).__name__} gives no Kronecker structure (built in: "
+               "Linear, Conv1d/2d/3d, Embedding).")
+        choices = ("Pass unsupported='diagonal' (the default) for the curvature diagonal of "
+                   "such layers, or unsupported='skip' to leave them out")
+    return (f"compute_kfac: '{layer.name}': Kronecker factors are not available for "
+            f"{type(layer.module).__name__} ({', '.join(rest)}): {why} {choices}")
 
 
 @torch.no_grad()
@@ -332,13 +448,13 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     check_unseen_uses(state, step)
     result = {}
     for layer in step.layers:
-        totals = {n: torch.zeros_like(p) for n, p in layer.parameters.items()}
-        if layer.calls and totals:
-            for forms in _pass_forms(layer, list(totals)):
-                for name, total in totals.items():
-                    add_squares(total, forms[name], step.batch_size)
+        if layer.calls and layer.parameters:
+            totals = _squares(layer, list(layer.parameters), step.batch_size,
+                              step.scale * step.scale)
+        else:
+            totals = {n: torch.zeros_like(p) for n, p in layer.parameters.items()}
         for local, total in totals.items():
-            result[names[id(layer)][local]] = total.mul_(step.scale * step.scale)
+            result[names[id(layer)][local]] = total
     return result
 
 
@@ -393,5 +509,5 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     return total.mul_(step.scale * step.scale)
 
 
-__all__ = ["backprop_hess", "compute_hess", "compute_kfac", "compute_fisher_diag",
+__all__ = ["backprop_hess", "compute_hess", "compute_kfac", "KFACFactors", "compute_fisher_diag",
            "compute_grad_variance", "compute_gram"]

@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from .api import LossType
 from .capture import unwrap
+from .curvature import KFACFactors
 from .errors import PerSampleHooksError
 from .norms import clip_grads as clip_grads_local
 
@@ -126,14 +127,19 @@ def sum_across_ranks(tensors: list[Tensor], weight: float, count: float, divide:
 def all_reduce_kfac(factors: Mapping[nn.Module, tuple[Tensor, Tensor]],
                     batch_size: int | None = None, group: dist.ProcessGroup | None = None
                     ) -> Mapping[nn.Module, tuple[Tensor, Tensor]]:
-    """Average KFAC factors ``{module: (A, G)}`` over ranks, in place, in one flat all-reduce.
+    """Average KFAC factors ``{module: (A, G)}`` over ranks, in place, in one flat all-reduce;
+    of a :class:`~per_sample_hooks.curvature.KFACFactors`, its Embedding factors and
+    curvature diagonals too.
 
     Every rank must pass the factors of the same modules in the same order (as
     ``compute_kfac`` returns them for the same model). With ``batch_size`` (the local batch
     size) the average is weighted by it: the factors of the global batch when local batches
-    differ in size; without it every rank weighs the same. Returns ``factors``."""
+    differ in size (an Embedding's ``expand`` ``a`` when every sample has as many tokens: it
+    is a share of the tokens, which padding makes differ); without it every rank weighs the
+    same. Returns ``factors``."""
     _check_initialized("all_reduce_kfac")
-    tensors = [t for pair in factors.values() for t in pair]
+    tensors = factors.tensors() if isinstance(factors, KFACFactors) else \
+        [t for pair in factors.values() for t in pair]
     if tensors:
         all_reduce_weighted_mean(tensors, 1 if batch_size is None else batch_size, group)
     return factors

@@ -562,9 +562,10 @@ def test_errors() -> None:
         with pytest.raises(ValueError, match="approx"):
             psh.compute_kfac(model, approx="diagonal")
         with pytest.raises(UnsupportedModuleError, match="'1'.*not available for Scaler"):
-            psh.compute_kfac(model)
+            psh.compute_kfac(model, unsupported="raise")
         psh.backprop_hess(model(x), "CrossEntropy")
-        assert set(psh.compute_kfac(model, unsupported="skip")) == {model[0]}
+        skipped = psh.compute_kfac(model, unsupported="skip")
+        assert set(skipped) == {model[0]} and skipped.skipped == ["1.w"]
         psh.backprop_hess(model(x), "CrossEntropy")
         psh.compute_hess(model)  # every layer has Gauss-Newton blocks (here: the fallback's)
         torch.testing.assert_close(model[1].w.hess, exact_block(

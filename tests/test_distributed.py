@@ -42,6 +42,11 @@ def make_model() -> nn.Module:
                          nn.Linear(3 * 6, 4), nn.ReLU(), nn.Linear(4, 2)).double()
 
 
+def make_tagger() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(5, 3), nn.LayerNorm(3), nn.Linear(3, 2)).double()
+
+
 def weighted_square(output: torch.Tensor) -> torch.Tensor:
     """``ground_truth.weighted_square`` that also takes an empty batch."""
     flat = output.flatten(1)
@@ -201,6 +206,18 @@ def kfac_factors_match_one_process(rank: int) -> None:
         for (module, (a, g)), (ea, eg) in zip(factors.items(), expected):
             check_close(a, ea, f"rank {rank} KFAC A of {type(module).__name__}")
             check_close(g, eg, f"rank {rank} KFAC G of {type(module).__name__}")
+    tagger, tokens = make_tagger(), torch.randint(0, 5, (len(x), 4), generator=torch.Generator(
+        ).manual_seed(1))  # Embedding factors and LayerNorm diagonals are averaged too
+    with psh.add_hooks(tagger):
+        tagger(tokens).square().sum((1, 2)).mean().backward()
+        expected = compute_kfac(tagger).tensors()
+        expected = [t.clone() for t in expected]
+        tagger(shard(tokens, rank)).square().sum((1, 2)).mean().backward()
+        factors = compute_kfac(tagger)
+        assert factors.embeddings and factors.diagonal
+        psh.distributed.all_reduce_kfac(factors, batch_size=len(shard(tokens, rank)))
+        for got, want in zip(factors.tensors(), expected, strict=True):
+            check_close(got, want, f"rank {rank} KFAC of the tagger")
 
 
 def weighted_mean_helper(rank: int) -> None:

@@ -1,4 +1,5 @@
-"""Kronecker factors on the Linear form, shared by the Linear and convolution rules.
+"""Kronecker factors on the Linear form, shared by the Linear and convolution rules, and on
+one-hot rows (Embedding), whose input factor is diagonal.
 
 Every function works on ``x [n, Gr, T, f]``: ``n`` samples, ``Gr`` independent groups (1 for
 Linear; conv groups), ``T`` positions (Linear leading dims, conv output positions), ``f``
@@ -35,7 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .core import Outer, act_chunks, join
+from .core import Outer, Rows, act_chunks, join
 
 Approx = Literal["expand", "reduce"]
 APPROXIMATIONS = ("expand", "reduce")
@@ -189,6 +190,45 @@ def weight_factors(passes: Sequence[Sequence[Outer]], ones: bool, scale: float, 
     a = input_factor(chunks, first.grads.shape[0], ones, approx, spare)
     g = output_factor([[join(forms).grads] for forms in passes], scale, approx, spare)
     return (a[0], g[0]) if first.grads.shape[1] == 1 else (a, g)
+
+
+def row_factors(passes: Sequence[Sequence[Rows]], batch: int, scale: float, approx: Approx,
+                spare: MutableMapping[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """``(a [R], G [w, w])`` of a table ``[R, w]`` whose forms are one-hot :class:`Rows`: one
+    entry per (sample, position) whose input picks row ``rows[k]``, its value the output
+    gradient there (nn.Embedding, the layer as a Linear on one-hot inputs), one list of forms
+    (one per call) per backward pass. One-hot inputs make ``A = E[a a^T]`` diagonal, so ``a`` is
+    its diagonal; ``kron(diag(a), G)`` approximates the curvature block of the table flattened
+    row-major. With ``n`` entries in all, ``c_ir`` sample i's entries at row r and ``n_i`` its
+    entries (``N T`` and ``T`` without padding, which has no entry):
+
+    - expand: ``a_r = sum_i c_ir / n``, ``G = scale * sum_{passes, entries} v v^T``
+      (the diagonal A of the Linear rule's expand, exactly);
+    - reduce: ``a_r = 1/N sum_i (c_ir / n_i)^2`` (the diagonal of the reduce A, whose
+      off-diagonal terms of rows met in one sample are dropped),
+      ``G = scale * sum_{passes, i} (sum_{i's entries} v)(sum_{i's entries} v)^T``.
+    """
+    first = join(passes[0])
+    values = first.values
+    if approx == "expand":
+        counts = torch.bincount(first.rows, minlength=first.num_rows)
+        a = counts.to(values.dtype).div_(max(len(first.rows), 1))
+    else:
+        keys, counts = torch.unique(first.samples * first.num_rows + first.rows,
+                                    return_counts=True)
+        entries = torch.bincount(first.samples, minlength=batch)[keys // first.num_rows]
+        shares = counts.to(values.dtype).div_(entries).square_()
+        a = values.new_zeros(first.num_rows).index_add_(0, keys % first.num_rows, shares)
+        a.div_(max(batch, 1))
+
+    def rows_of(forms: Sequence[Rows]) -> Tensor:  # [n, 1, 1, w] for output_factor
+        form = join(forms)
+        if approx == "reduce":
+            summed = form.values.new_zeros(batch, form.values.shape[1])
+            return summed.index_add_(0, form.samples, form.values)[:, None, None]
+        return form.values[:, None, None]
+    g = output_factor([[rows_of(forms)] for forms in passes], scale, "expand", spare)
+    return a, g[0]
 
 
 def check_approx(approx: str, caller: str) -> None:

@@ -86,6 +86,11 @@ class Rule:
     #: (``forms.kronecker.weight_factors``).
     kronecker: bool = False
 
+    #: The weight's forms are one-hot ``Rows``: one entry per (sample, position), whose input
+    #: picks one row of the weight and whose value is the output gradient there (nn.Embedding):
+    #: Kronecker factors with a diagonal input factor (``forms.kronecker.row_factors``).
+    one_hot_rows: bool = False
+
     #: :meth:`forms` re-runs part of the layer (attention, recurrence): a caller that holds
     #: the layer's per-sample gradients already reads those instead.
     forms_rerun: bool = False

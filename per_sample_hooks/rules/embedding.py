@@ -74,6 +74,8 @@ class RowsRule(Rule):
 class EmbeddingRule(RowsRule):
     """Embedding on indices ``[B, *]``; the padding row gets no gradient."""
 
+    one_hot_rows = True
+
     def rows(self, module: nn.Embedding, call: Call) -> Rows:
         return token_rows(call.activation(), call.backprop(), module.padding_idx,
                              module.num_embeddings)
