@@ -10,8 +10,21 @@
         precond.step()        # p.grad <- KFAC-preconditioned gradient (covered layers only)
         optimizer.step()
 
-Math, per covered layer (every hooked ``Linear`` / ``Conv1d/2d/3d`` with a trainable weight, as
-:func:`per_sample_hooks.curvature.compute_kfac` returns them). The weight gradient is seen as a
+Every trainable parameter of the model that :func:`per_sample_hooks.curvature.compute_kfac`
+covers is preconditioned (by default every one of the hooked modules whose output reaches the
+loss):
+Kronecker blocks for ``Linear`` / ``Conv1d/2d/3d``, Kronecker blocks with a diagonal ``A`` for
+``nn.Embedding``, and the damped curvature diagonal for the rest (normalization layers,
+attention, the torch.func fallback, ...). What it leaves to the optimizer as it is, and why, is
+in :attr:`KFAC.left_to_optimizer` (and a warning when that set changes): parameters of modules
+that are not hooked or never reach the loss, those ``unsupported="skip"`` leaves out, and a
+parameter shared by several covered modules (GPT-2's tied ``wte`` / ``lm_head`` weight): each
+module has a block for its own use of it, the gradient is their sum, and the sum of two
+Kronecker blocks has no cheap inverse; preconditioning it with one module's block would ignore
+the other's curvature.
+
+Math, per Kronecker layer (as :func:`~per_sample_hooks.curvature.compute_kfac` returns the
+factors). The weight gradient is seen as a
 matrix ``M [dg, da]`` (Linear ``[out, in]``, conv ``[C_out, C_in/groups * prod(kernel)]``, the
 bias gradient, if the bias is trainable, appended as the last column), and the curvature block
 of the (mean) loss for ``vec(M)`` (row-major) as ``kron(G, A)`` with ``A [da, da]``,
@@ -38,8 +51,11 @@ of the (mean) loss for ``vec(M)`` (row-major) as ``kron(G, A)`` with ``A [da, da
    - ``rescale_norm=True``: ``P`` is scaled to the global norm of the original gradients of
      the covered layers (KFAC gives the direction, the optimizer's step size stays meaningful).
 
-``P`` is split back into ``weight.grad`` and ``bias.grad``. Parameters of layers that
-``compute_kfac`` does not cover (norm layers, embeddings, the fallback) keep their gradient.
+``P`` is split back into ``weight.grad`` and ``bias.grad``. An Embedding ``[V, d]`` is the same
+with ``M`` its gradient transposed (``[d, V]``, a Linear on one-hot inputs), ``A = diag(a)``
+(``Q_A = I``, ``l_A = a``): ``P^T = [(M^T Q_G) / (a l_G^T + lambda)] Q_G^T``. A parameter with a
+curvature diagonal ``D`` (running average as the factors): ``P = M / (D + lambda)``. Step-size
+control (4.) sums over all of them.
 
 Which curvature the factors describe is decided by the backward passes the hooks saw
 (see :mod:`per_sample_hooks.curvature`): by default ``step()`` reads them after the ordinary
@@ -58,8 +74,10 @@ any other ``compute_*`` function of the same step before ``precond.step()``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -67,6 +85,7 @@ from torch import Tensor, nn
 
 from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hooks
 from .capture import STATE_ATTRIBUTE, unwrap
+from .curvature import KFACFactors, KFACUnsupported, compute_kfac
 from .edges import OutputEdges
 
 Factors = Mapping[nn.Module, tuple[Tensor, Tensor]]
@@ -79,9 +98,10 @@ HessType = Literal["LeastSquares", "CrossEntropy"]
 class Eigen:
     """Eigendecompositions of one layer's factors, batched over groups.
 
-    ``q_a [g, da, da]``, ``l_a [g, da]``, ``q_g [g, dg/g, dg/g]``, ``l_g [g, dg/g]``.
+    ``q_a [g, da, da]``, ``l_a [g, da]``, ``q_g [g, dg/g, dg/g]``, ``l_g [g, dg/g]``;
+    ``q_a`` None: ``A`` is diagonal (Embedding), ``l_a`` its diagonal.
     """
-    q_a: Tensor
+    q_a: Tensor | None
     l_a: Tensor
     q_g: Tensor
     l_g: Tensor
@@ -116,13 +136,35 @@ def eigen_of(a: Tensor, g: Tensor, dtype: torch.dtype | None = torch.float64) ->
 
 
 def precondition(m: Tensor, eigen: Eigen, damping: float) -> Tensor:
-    """``Q_G [(Q_G^T M Q_A) / (l_G l_A^T + damping)] Q_A^T`` for ``m [g, dg/g, da]``.
+    """``Q_G [(Q_G^T M Q_A) / (l_G l_A^T + damping)] Q_A^T`` for ``m [g, dg/g, da]`` (no
+    ``Q_A`` when ``A`` is diagonal).
 
     Equals ``(kron(G, A) + damping I)^{-1} vec(M)`` per group (row-major ``vec``).
     """
-    rotated = eigen.q_g.mT @ m @ eigen.q_a
+    rotated = eigen.q_g.mT @ m
+    if eigen.q_a is not None:
+        rotated = rotated @ eigen.q_a
     rotated = rotated / (eigen.l_g.unsqueeze(-1) * eigen.l_a.unsqueeze(-2) + damping)
-    return eigen.q_g @ rotated @ eigen.q_a.mT
+    rotated = eigen.q_g @ rotated
+    return rotated if eigen.q_a is None else rotated @ eigen.q_a.mT
+
+
+def running_average(old: tuple[Tensor, ...] | None, new: tuple[Tensor, ...], decay: float
+                    ) -> tuple[Tensor, ...]:
+    """``old <- decay * old + (1 - decay) * new`` in place; a copy of ``new`` when there is no
+    ``old`` of its shapes."""
+    if old is None or any(o.shape != n.shape for o, n in zip(old, new)):
+        return tuple(n.clone() for n in new)
+    for o, n in zip(old, new):
+        o.mul_(decay).add_(n, alpha=1 - decay)
+    return old
+
+
+def check_finite(tensors: tuple[Tensor, ...], what: str) -> None:
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise FloatingPointError(
+            f"KFAC: non-finite {what} (the training diverged: lower the learning rate or raise "
+            "the damping)")
 
 
 def has_trainable_bias(module: nn.Module) -> bool:
@@ -159,48 +201,67 @@ def write_back(module: nn.Module, p: Tensor) -> None:
     weight.grad.copy_(p.reshape(weight.shape))
 
 
-def default_factors(approx: Approx, loss_type: LossType) -> FactorFn:
-    """``model -> compute_kfac(model, approx, loss_type)``."""
-    def factors(model: nn.Module) -> Factors:
-        from .curvature import compute_kfac  # noqa: PLC0415  (curvature imports torch.func)
-        return compute_kfac(model, approx=approx, loss_type=loss_type, unsupported="skip")
-    return factors
+def write_rows(module: nn.Module, p: Tensor) -> None:
+    """``p [1, d, V]`` (the Linear layout) back into an Embedding's ``weight.grad [V, d]``."""
+    module.weight.grad.copy_(p[0].t())
+
+
+def block_module(key: object) -> nn.Module:
+    """The module of a block key: a module, or ``(module, local name)``."""
+    return key if isinstance(key, nn.Module) else key[0]
+
+
+def default_factors(approx: Approx, loss_type: LossType, unsupported: KFACUnsupported
+                    ) -> FactorFn:
+    """``model -> compute_kfac(model, approx, loss_type, unsupported=unsupported)``."""
+    return partial(compute_kfac, approx=approx, loss_type=loss_type, unsupported=unsupported)
 
 
 class KFAC:
-    """KFAC preconditioner: replaces covered layers' gradients by ``(kron(G, A) + damping)^-1``
-    times the gradient, for use before any optimizer's ``step()`` (see the module docstring).
+    """KFAC preconditioner: replaces the gradients of the parameters it covers by the damped
+    curvature solve (``(kron(G, A) + damping)^-1`` times the gradient for a Kronecker block),
+    for use before any optimizer's ``step()`` (see the module docstring).
 
     Args:
         model: the model; hooked with :func:`per_sample_hooks.add_hooks` if it is not already
             (:meth:`close` removes hooks added here).
-        damping: Tikhonov damping ``lambda`` added to the eigenvalues ``l_G l_A^T``.
-        factor_decay: running-average decay of ``A`` and ``G`` (0: latest factors only).
+        damping: Tikhonov damping ``lambda`` added to the eigenvalues ``l_G l_A^T`` (and to
+            curvature diagonals).
+        factor_decay: running-average decay of the factors and diagonals (0: latest only).
         update_freq: read new factors every this many steps. Between updates the hooks are
             disabled (``pause_hooks``), so those steps cost a plain forward and backward.
         inverse_freq: recompute the eigendecompositions every this many steps.
-        approx, loss_type: passed to ``compute_kfac`` (``"expand"``/``"reduce"`` for layers with
-            positions; ``"mean"``/``"sum"``: how the loss reduces the batch).
+        approx, loss_type, unsupported: passed to ``compute_kfac`` (``"expand"``/``"reduce"``
+            for layers with positions; ``"mean"``/``"sum"``: how the loss reduces the batch;
+            ``"diagonal"``: a curvature diagonal for layers without Kronecker structure,
+            ``"skip"``: leave them to the optimizer).
         kl_clip: if set, bound the predicted KL change ``lr^2 <P, M>`` by it (needs ``lr``).
         lr: the optimizer's learning rate, used only by ``kl_clip``; update ``precond.lr``
             along with a schedule.
         rescale_norm: scale the preconditioned gradients to the norm of the original ones.
         pause_hooks: disable the model's hooks on steps that read no factors (``update_freq >
             1``); set False if something else reads the hooks on every step.
-        factors: ``model -> {module: (A, G)}``; default ``compute_kfac(model, approx,
-            loss_type, unsupported="skip")`` after the step's backward (layers whose rule has
-            no Kronecker factors are left out). Any function with that contract works.
+        factors: ``model -> factors``; default ``compute_kfac(model, approx, loss_type,
+            unsupported=unsupported)`` after the step's backward. A
+            :class:`~per_sample_hooks.curvature.KFACFactors`, or any mapping
+            ``{module: (A, G)}`` of Kronecker factors only.
         eigh_dtype: the dtype of the eigendecompositions (None: the factors' own). float64
             (the default) costs more: on the 784-512-512-10 MLP, 2 threads, the 785-wide
             factor's took 108 ms in float64 and 33 ms in float32 (every ``inverse_freq``
             steps), next to about 20 ms per step for the preconditioning products.
+
+    Attributes:
+        factors: ``{module: (A [g, da, da], G [g, dg/g, dg/g])}``, Kronecker running averages;
+        embeddings: ``{module: (a [V], G [d, d])}``; diagonals: ``{(module, local name): D}``.
+        left_to_optimizer: ``{qualified parameter name: why}`` for every trainable parameter
+            of the model that is not preconditioned (its gradient is left as it is).
     """
 
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, factor_decay: float = 0.95,
                  update_freq: int = 1, inverse_freq: int = 10, approx: Approx = "expand",
-                 loss_type: LossType = "mean", kl_clip: float | None = None, lr: float = 1.0,
-                 rescale_norm: bool = False, pause_hooks: bool = True,
-                 factors: FactorFn | None = None,
+                 loss_type: LossType = "mean", unsupported: KFACUnsupported = "diagonal",
+                 kl_clip: float | None = None, lr: float = 1.0, rescale_norm: bool = False,
+                 pause_hooks: bool = True, factors: FactorFn | None = None,
                  eigh_dtype: torch.dtype | None = torch.float64) -> None:
         if damping < 0:
             raise ValueError(f"KFAC: damping must be >= 0, got {damping}")
@@ -221,15 +282,20 @@ class KFAC:
         self.pause_hooks = pause_hooks
         self.loss_type = loss_type
         self.eigh_dtype = eigh_dtype
-        self.read_factors = factors or default_factors(approx, loss_type)
+        self.read_factors = factors or default_factors(approx, loss_type, unsupported)
         self.read_this_step = False  # factors already read by backprop_hess
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
         self.edges = OutputEdges(model)  # the hooked outputs' edges for backprop_hess
         self.steps = 0
         self.factors: dict[nn.Module, tuple[Tensor, Tensor]] = {}  # running averages, grouped
+        self.embeddings: dict[nn.Module, tuple[Tensor, Tensor]] = {}
+        self.diagonals: dict[tuple[nn.Module, str], Tensor] = {}
         self.eigen: dict[nn.Module, Eigen] = {}
         self.names = {m: n for n, m in unwrap(model).named_modules()}
+        self.skipped: set[str] = set()  # what the last KFACFactors skipped
+        self.excluded: set[object] = set()  # blocks holding a parameter of several blocks
+        self.left_to_optimizer: dict[str, str] = {}
 
     # ------------------------------------------------------------------ the step
 
@@ -266,7 +332,9 @@ class KFAC:
             self.update_factors(self.read_factors(self.model))
         self.read_this_step = False
         clear_backprops(self.model)
-        if self.steps % self.inverse_freq == 0 or any(m not in self.eigen for m in self.factors):
+        if self.steps % self.inverse_freq == 0 or any(
+                m not in self.eigen and m not in self.excluded
+                for m in (*self.factors, *self.embeddings)):
             self.update_eigen()
         self.precondition_grads()
         self.steps += 1
@@ -274,35 +342,61 @@ class KFAC:
             (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
 
     def update_factors(self, new: Factors) -> None:
-        """Fold ``new`` factors into the running averages (the first ones are taken as is)."""
+        """Fold ``new`` factors (and diagonals) into the running averages (the first ones are
+        taken as is), then update :attr:`left_to_optimizer`."""
         decay = self.factor_decay
-        for module, (a, g) in new.items():
-            a, g = as_grouped(a.detach()), as_grouped(g.detach())
-            if not (torch.isfinite(a).all() and torch.isfinite(g).all()):
-                raise FloatingPointError(
-                    f"KFAC: non-finite Kronecker factors for '{self.names.get(module, module)}' "
-                    "(the training diverged: lower the learning rate or raise the damping)")
-            old = self.factors.get(module)
-            if old is None or old[0].shape != a.shape or old[1].shape != g.shape:
-                self.factors[module] = (a.clone(), g.clone())
-            else:
-                old[0].mul_(decay).add_(a, alpha=1 - decay)
-                old[1].mul_(decay).add_(g, alpha=1 - decay)
+        everything = new if isinstance(new, KFACFactors) else KFACFactors(dict(new))
+        for module, (a, g) in everything.kronecker.items():
+            pair = (as_grouped(a.detach()), as_grouped(g.detach()))
+            check_finite(pair, f"Kronecker factors for '{self.names.get(module, module)}'")
+            self.factors[module] = running_average(self.factors.get(module), pair, decay)
+        for module, (a, g) in everything.embeddings.items():
+            pair = (a.detach(), g.detach())
+            check_finite(pair, f"Kronecker factors for '{self.names.get(module, module)}'")
+            self.embeddings[module] = running_average(self.embeddings.get(module), pair, decay)
+        for module, diagonals in everything.diagonal.items():
+            for name, diagonal in diagonals.items():
+                key = (module, name)
+                check_finite((diagonal,), f"curvature diagonal of "
+                                          f"'{self.names.get(module, module)}' {name}")
+                old = self.diagonals.get(key)
+                self.diagonals[key] = running_average(None if old is None else (old,),
+                                                      (diagonal.detach(),), decay)[0]
+        self.skipped = set(everything.skipped)
+        self.update_coverage()
 
     def update_eigen(self) -> None:
-        """Eigendecompositions of the current running averages."""
-        self.eigen = {m: eigen_of(a, g, self.eigh_dtype) for m, (a, g) in self.factors.items()}
+        """Eigendecompositions of the current running averages (the diagonal ``A`` of an
+        Embedding is its own)."""
+        self.eigen = {m: eigen_of(a, g, self.eigh_dtype) for m, (a, g) in self.factors.items()
+                      if m not in self.excluded}
+        for module, (a, g) in self.embeddings.items():
+            if module not in self.excluded:
+                l_g, q_g = symmetric_eigh(as_grouped(g), self.eigh_dtype)
+                self.eigen[module] = Eigen(None, a.clamp_min(0).unsqueeze(0), q_g, l_g)
 
     def precondition_grads(self) -> None:
         """Replace covered gradients by the damped KFAC direction, with step-size control."""
-        pairs: list[tuple[nn.Module, Tensor, Tensor]] = []
+        done: list[tuple[Tensor, Tensor, Callable[[Tensor], None]]] = []  # (M, P, write P)
         for module, eigen in self.eigen.items():
-            m = gradient_matrix(module, eigen.q_a.shape[0], eigen.q_a.shape[-1])
+            if module in self.excluded:
+                continue
+            if eigen.q_a is None:  # Embedding [V, d]: as a Linear on one-hot inputs, [d, V]
+                grad = module.weight.grad
+                m = None if grad is None else grad.t().unsqueeze(0)
+                write = partial(write_rows, module)
+            else:
+                m = gradient_matrix(module, eigen.q_a.shape[0], eigen.q_a.shape[-1])
+                write = partial(write_back, module)
             if m is not None:
-                pairs.append((module, m, precondition(m, eigen, self.damping)))
-        scale = self.step_scale([(m, p) for _, m, p in pairs])
-        for module, _, p in pairs:
-            write_back(module, p * scale if scale != 1.0 else p)
+                done.append((m, precondition(m, eigen, self.damping), write))
+        for (module, name), diagonal in self.diagonals.items():
+            grad = module.get_parameter(name).grad
+            if grad is not None and (module, name) not in self.excluded:
+                done.append((grad, grad / (diagonal + self.damping), grad.copy_))
+        scale = self.step_scale([(m, p) for m, p, _ in done])
+        for _, p, write in done:
+            write(p * scale if scale != 1.0 else p)
 
     def step_scale(self, pairs: list[tuple[Tensor, Tensor]]) -> float:
         """The factor applied to every preconditioned gradient (1 without step-size control)."""
@@ -320,6 +414,54 @@ class KFAC:
                 scale *= before / after
         return scale
 
+    # ------------------------------------------------------------------ coverage
+
+    def blocks(self) -> dict[object, list[Tensor]]:
+        """The parameters each block preconditions, keyed as the blocks: a module (Kronecker
+        factors: weight and trainable bias; Embedding: weight) or ``(module, local name)``
+        (a curvature diagonal)."""
+        result: dict[object, list[Tensor]] = {}
+        for module in self.factors:
+            result[module] = [module.weight, *([module.bias] if has_trainable_bias(module)
+                                               else [])]
+        for module in self.embeddings:
+            result[module] = [module.weight]
+        for module, name in self.diagonals:
+            result[(module, name)] = [module.get_parameter(name)]
+        return result
+
+    def update_coverage(self) -> None:
+        """:attr:`excluded` (blocks holding a parameter that another block holds too) and
+        :attr:`left_to_optimizer`; a warning when the names left to the optimizer change."""
+        blocks = self.blocks()
+        users: dict[int, list[object]] = {}
+        for key, params in blocks.items():
+            for p in params:
+                users.setdefault(id(p), []).append(key)
+        self.excluded = {key for key, params in blocks.items()
+                         if any(len(users[id(p)]) > 1 for p in params)}
+        left = {}
+        for name, p in unwrap(self.model).named_parameters():
+            keys = users.get(id(p), [])
+            if not p.requires_grad or (keys and keys[0] not in self.excluded):
+                continue
+            if len(keys) > 1:
+                modules = " and ".join(sorted(f"'{self.names.get(block_module(k))}'"
+                                              for k in keys))
+                left[name] = (f"used by {modules}: each has a block for its own use, and their "
+                              "sum has no cheap inverse")
+            elif keys:
+                left[name] = "in one Kronecker block with a parameter used by several modules"
+            elif name in self.skipped:
+                left[name] = "left out by compute_kfac(unsupported='skip')"
+            else:
+                left[name] = ("no curvature read: its module is not hooked, its output never "
+                              "reached the loss, or the factors function left it out")
+        if left and left.keys() != self.left_to_optimizer.keys():
+            warnings.warn("KFAC leaves these trainable parameters to the optimizer as they are "
+                          f"(KFAC.left_to_optimizer says why): {sorted(left)}", stacklevel=4)
+        self.left_to_optimizer = left
+
     # ------------------------------------------------------------------ life cycle, state
 
     def close(self) -> None:
@@ -334,13 +476,17 @@ class KFAC:
             enable_hooks(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step count, running factors and their eigendecompositions (those in use until the
-        next ``inverse_freq`` step), keyed by qualified module name."""
+        """Step count, running factors and diagonals and the eigendecompositions (those in use
+        until the next ``inverse_freq`` step), keyed by qualified module name (diagonals by
+        module name and the parameter's local name)."""
+        def cloned(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+            return tuple(None if t is None else t.clone() for t in tensors)
         return {
             "steps": self.steps,
-            "factors": {self.names[m]: (a.clone(), g.clone()) for m, (a, g) in
-                        self.factors.items()},
-            "eigen": {self.names[m]: tuple(t.clone() for t in (e.q_a, e.l_a, e.q_g, e.l_g))
+            "factors": {self.names[m]: cloned(f) for m, f in self.factors.items()},
+            "embeddings": {self.names[m]: cloned(f) for m, f in self.embeddings.items()},
+            "diagonals": {(self.names[m], n): d.clone() for (m, n), d in self.diagonals.items()},
+            "eigen": {self.names[m]: cloned((e.q_a, e.l_a, e.q_g, e.l_g))
                       for m, e in self.eigen.items()},
             "hyperparameters": {"damping": self.damping, "factor_decay": self.factor_decay,
                                 "update_freq": self.update_freq,
@@ -351,18 +497,27 @@ class KFAC:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (on a model with the same module names)."""
         modules = dict(unwrap(self.model).named_modules())
-        missing = [n for n in state["factors"] if n not in modules]
+        wanted = [*state["factors"], *state.get("embeddings", {}),
+                  *(n for n, _ in state.get("diagonals", {}))]
+        missing = [n for n in wanted if n not in modules]
         if missing:
             raise KeyError(f"KFAC.load_state_dict: no module named {missing} in the model")
         self.steps = int(state["steps"])
         for name, value in state.get("hyperparameters", {}).items():
             setattr(self, name, value)
-        def like_weight(name: str, tensors: tuple[Tensor, ...]) -> list[Tensor]:
-            w = modules[name].weight
-            return [t.to(w.device, w.dtype).clone() for t in tensors]
-        self.factors = {modules[n]: tuple(like_weight(n, f)) for n, f in state["factors"].items()}
+
+        def like(p: Tensor, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+            return tuple(None if t is None else t.to(p.device, p.dtype).clone() for t in tensors)
+        self.factors = {modules[n]: like(modules[n].weight, f)
+                        for n, f in state["factors"].items()}
+        self.embeddings = {modules[n]: like(modules[n].weight, f)
+                           for n, f in state.get("embeddings", {}).items()}
+        self.diagonals = {(modules[n], local): like(modules[n].get_parameter(local), (d,))[0]
+                          for (n, local), d in state.get("diagonals", {}).items()}
+        self.update_coverage()
         if "eigen" in state:
-            self.eigen = {modules[n]: Eigen(*like_weight(n, e)) for n, e in state["eigen"].items()}
+            self.eigen = {modules[n]: Eigen(*like(modules[n].weight, e))
+                          for n, e in state["eigen"].items()}
         else:
             self.update_eigen()
         if self.pause_hooks and self.update_freq > 1:

@@ -1,6 +1,6 @@
 """compute_kfac on whole models: Kronecker factors with a diagonal A for nn.Embedding, the
-curvature diagonal for every other layer without Kronecker structure, against the float64
-per-sample / per-token loop.
+curvature diagonal for every other layer without Kronecker structure, and psh.optim.KFAC
+preconditioning every parameter, against the float64 per-sample / per-token loop.
 
 Truth: one plain-autograd pass per sample (and per backward seed) in float64, the modules'
 inputs and output gradients read there by forward hooks, the factors built from them with
@@ -9,6 +9,7 @@ explicit one-hot matrices; the preconditioned step against explicit solves.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 import per_sample_hooks as psh
 from per_sample_hooks.curvature import KFACFactors
 from per_sample_hooks.errors import UnsupportedModuleError
+from per_sample_hooks.optim import KFAC
 
 DT = torch.float64
 Seed = Callable[[Tensor], Tensor]  # one sample's output -> the scalar a backward starts from
@@ -285,6 +287,72 @@ def test_skip_and_raise() -> None:
         hooked_kfac(model, tokens, labels, "mean", unsupported="ignore")
 
 
+# ----------------------------------------------------------------------------- KFAC
+
+def test_kfac_step_preconditions_every_parameter() -> None:
+    """Embedding + LayerNorm + Linear, one KFAC step: each parameter's new gradient is the
+    explicit solve with the factors built from the float64 token loop: ``(kron(G, A) +
+    lambda I)^-1 vec([W | b])`` for the Linear, ``(kron(diag(a), G) + lambda I)^-1 vec(table)``
+    for the Embedding, ``grad / (D + lambda)`` for the LayerNorm; nothing is left to the
+    optimizer and nothing is warned."""
+    torch.manual_seed(5)
+    batch, length, damping = 4, 3, 0.1
+    model = Tagger().to(DT)
+    tokens, labels = torch.randint(0, 7, (batch, length)), torch.randint(0, 3, (batch, length))
+    per_sample = [loop_records(model, [(tokens[i:i + 1],)],
+                               lambda out, i=i: [token_loss(out, labels[i:i + 1])[0]],
+                               [model.embedding, model.head]) for i in range(batch)]
+    a_embedding, g_embedding = embedding_truth(
+        [r[model.embedding][0] for r in per_sample], 7, None, 1 / batch, "expand")
+    acts = torch.cat([torch.cat([x.reshape(-1, 4), torch.ones(length, 1, dtype=DT)], 1)
+                      for r in per_sample for x, _ in r[model.head][0][0]])
+    outs = torch.cat([g.reshape(-1, 3) for r in per_sample for _, g in r[model.head][0][0]])
+    a_head, g_head = acts.t() @ acts / (batch * length), outs.t() @ outs / batch
+    loop = {n: [] for n, _ in model.named_parameters()}
+    for i in range(batch):
+        loss = token_loss(model(tokens[i:i + 1]), labels[i:i + 1])[0]
+        for n, g in zip(loop, torch.autograd.grad(loss, list(model.parameters()))):
+            loop[n].append(g)
+    diagonal = {n: torch.stack(loop[n]).square().sum(0) / batch
+                for n in ("norm.weight", "norm.bias")}
+
+    precond = KFAC(model, damping=damping, factor_decay=0.0)
+    token_loss(model(tokens), labels).mean().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precond.step()
+    assert precond.left_to_optimizer == {}
+
+    def solve(curvature: Tensor, grad: Tensor) -> Tensor:
+        eye = torch.eye(len(curvature), dtype=DT)
+        return torch.linalg.solve(curvature + damping * eye, grad.reshape(-1)).view(grad.shape)
+    head = solve(torch.kron(g_head, a_head),
+                 torch.cat([before["head.weight"], before["head.bias"][:, None]], 1))
+    torch.testing.assert_close(model.head.weight.grad, head[:, :-1])
+    torch.testing.assert_close(model.head.bias.grad, head[:, -1])
+    torch.testing.assert_close(model.embedding.weight.grad, solve(
+        torch.kron(torch.diag(a_embedding.diagonal()), g_embedding), before["embedding.weight"]))
+    for n in ("norm.weight", "norm.bias"):
+        torch.testing.assert_close(model.get_parameter(n).grad,
+                                   before[n] / (diagonal[n] + damping))
+    clone = Tagger().to(DT)  # the state round-trips with every kind of block
+    clone.load_state_dict(model.state_dict())
+    other = KFAC(clone)
+    other.load_state_dict(precond.state_dict())
+    assert {other.names[m] for m in other.embeddings} == {"embedding"}
+    assert {(other.names[m], n) for m, n in other.diagonals} == \
+        {("norm", "weight"), ("norm", "bias")}
+    assert {other.names[m] for m in other.eigen} == {"embedding", "head"}
+    tokens = torch.randint(0, 7, (batch, length))
+    for net, preconditioner in ((model, precond), (clone, other)):
+        net.zero_grad()
+        token_loss(net(tokens), labels).mean().backward()
+        preconditioner.step()  # no new eigendecomposition: the loaded ones are used
+    for (n, p), q in zip(model.named_parameters(), clone.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=n)
+
+
 # ----------------------------------------------------------------------------- GPT-2
 
 def tiny_gpt2(dtype: torch.dtype) -> nn.Module:
@@ -360,3 +428,24 @@ def test_gpt2_default_compute_kfac(dtype: torch.dtype) -> None:
         for got, want in zip(psh.compute_kfac(model).tensors(), factors.tensors(), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-12 if dtype == DT else 1e-5,
                                        atol=1e-14 if dtype == DT else 1e-7)
+
+
+def test_gpt2_kfac_step_leaves_the_tied_weight_to_the_optimizer() -> None:
+    """``psh.optim.KFAC`` on GPT-2: every parameter is preconditioned except the weight that
+    ``wte`` and ``lm_head`` share, which is left as it is, reported and warned about."""
+    model = tiny_gpt2(DT)
+    ids = torch.randint(0, 50, (3, 8))
+    precond = KFAC(model, damping=1e-3)
+    gpt2_loss(model, ids).backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match=r"transformer\.wte\.weight"):
+        precond.step()
+    (name, why), = precond.left_to_optimizer.items()
+    assert name == "transformer.wte.weight"
+    assert "'lm_head' and 'transformer.wte'" in why
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n]) == (n == name), n
+    eigen = precond.eigen  # the excluded blocks do not make every step decompose again
+    gpt2_loss(model, ids).backward()
+    precond.step()
+    assert precond.eigen is eigen

@@ -3,6 +3,7 @@ running averages, grouped conv, uncovered parameters, step-size control, state d
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -273,19 +274,25 @@ def test_backprop_hess_passes_stop_at_the_outputs_after_the_first(update_freq):
     assert precond.edges is None
 
 
-def test_uncovered_parameters_keep_their_gradient():
+def test_skipped_parameters_keep_their_gradient_and_are_reported() -> None:
+    """``unsupported="skip"``: the normalization layers keep their gradient, are listed in
+    ``left_to_optimizer`` with the reason, and a warning says so once."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
                           nn.LayerNorm(4 * 16), nn.Linear(4 * 16, 3))
-    precond = KFAC(model, factors=factor_source())
-    F.cross_entropy(model(torch.randn(8, 1, 6, 6)), torch.randint(0, 3, (8,))).backward()
-    before = {n: p.grad.clone() for n, p in model.named_parameters()}
-    precond.step()
-    for n, p in model.named_parameters():
-        if n.startswith(("1.", "4.")):
-            assert torch.equal(p.grad, before[n]), n
-        else:
-            assert not torch.allclose(p.grad, before[n]), n
+    precond = KFAC(model, unsupported="skip")
+    for step in range(2):
+        model.zero_grad()
+        F.cross_entropy(model(torch.randn(8, 1, 6, 6)), torch.randint(0, 3, (8,))).backward()
+        before = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precond.step()
+        assert len(caught) == (1 if step == 0 else 0)
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, before[n]) == n.startswith(("1.", "4.")), n
+    assert set(precond.left_to_optimizer) == {"1.weight", "1.bias", "4.weight", "4.bias"}
+    assert all("unsupported='skip'" in why for why in precond.left_to_optimizer.values())
 
 
 def test_rescale_norm_and_kl_clip():
