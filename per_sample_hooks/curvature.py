@@ -385,7 +385,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     state, step = prepare_step(model, loss_type, "compute_kfac")
     check_unseen_uses(state, step)
     result = KFACFactors()
-    names = parameter_names(model, step)
+    names = None  # qualified parameter names, read once something is skipped
     for layer in _curvature_layers(step):
         rest = list(layer.parameters)
         rule = state.rules[layer.module]
@@ -406,6 +406,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
         if not rest:
             continue
         if unsupported == "skip":
+            names = names or parameter_names(model, step)
             result.skipped.extend(names[id(layer)][n] for n in rest)
         elif lost or unsupported == "raise":
             raise UnsupportedModuleError(_refusal(layer, rule, structure, lost, rest))

@@ -293,6 +293,7 @@ class KFAC:
         self.diagonals: dict[tuple[nn.Module, str], Tensor] = {}
         self.eigen: dict[nn.Module, Eigen] = {}
         self.names = {m: n for n, m in unwrap(model).named_modules()}
+        self.parameters = list(unwrap(model).named_parameters())  # as made, like names
         self.skipped: set[str] = set()  # what the last KFACFactors skipped
         self.excluded: set[object] = set()  # blocks holding a parameter of several blocks
         self.left_to_optimizer: dict[str, str] = {}
@@ -441,7 +442,7 @@ class KFAC:
         self.excluded = {key for key, params in blocks.items()
                          if any(len(users[id(p)]) > 1 for p in params)}
         left = {}
-        for name, p in unwrap(self.model).named_parameters():
+        for name, p in self.parameters:
             keys = users.get(id(p), [])
             if not p.requires_grad or (keys and keys[0] not in self.excluded):
                 continue
