@@ -37,7 +37,8 @@ position ``t``, with a constant 1 appended when the layer has a trainable bias.
     ``G = 1/N sum_{i,k} (sum_t x_ikt)(sum_t x_ikt)^T`` (positions summed first).
 
   ``kron(G, A)`` approximates the curvature block of ``L`` for ``vec(W)`` (row-major), ``W``
-  the weight as a matrix ``[dg, da]``: Linear ``[out, in]``, conv
+  the weight as a matrix ``[dg, da]``: Linear ``[out, in]`` (transformers' ``Conv1D``, whose
+  weight is stored ``[in, out]``: its transpose), conv
   ``[C_out, C_in/groups * prod(kernel)]``, with the trainable bias as its last column
   (``da = in + 1``). Grouped conv: ``A [groups, da, da]``, ``G [groups, dg/groups, dg/groups]``
   (``W`` viewed as ``[groups, dg/groups, da]``, block diagonal). With ``T = 1`` both agree,
@@ -57,10 +58,10 @@ position ``t``, with a constant 1 appended when the layer has a trainable bias.
     ``EmbeddingKFACFB`` and kfac-pytorch's ``EmbeddingLayer``). Padding tokens have no
     gradient and count in neither factor (``N T``: the tokens that are not padding).
   - every other layer (normalization, EmbeddingBag, attention, recurrent, the torch.func
-    fallback, transformers' ``Conv1D``) and the trainable bias of a layer whose weight is
-    frozen: the curvature diagonal of each parameter, ``diag(p.hess)`` of
-    :func:`compute_hess` (``scale/N^2`` times :func:`compute_fisher_diag`: ``1/N sum_i J_i^2``
-    for a mean loss), from the forms without forming the block.
+    fallback) and the trainable bias of a layer whose weight is frozen: the curvature
+    diagonal of each parameter, ``diag(p.hess)`` of :func:`compute_hess` (``scale/N^2`` times
+    :func:`compute_fisher_diag`: ``1/N sum_i J_i^2`` for a mean loss), from the forms without
+    forming the block.
 
   A parameter shared by several modules (tied input and output embeddings) gets each
   module's factors for that module's use of it, as if the uses were separate parameters: the
@@ -101,7 +102,7 @@ from torch import Tensor, nn
 
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
-from .forms import Form
+from .forms import Form, Outer
 from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares
 from .rules.base import Rule, split_passes
@@ -320,8 +321,9 @@ class KFACFactors(Mapping[nn.Module, tuple[Tensor, Tensor]]):
     mixed with those.
 
     Attributes:
-        kronecker: ``{module: (A, G)}`` for Linear / Conv1d/2d/3d with a trainable weight:
-            ``A [(groups,) da, da]``, ``G [(groups,) dg, dg]`` (see :mod:`.curvature`).
+        kronecker: ``{module: (A, G)}`` for Linear / Conv1d/2d/3d / transformers' Conv1D with
+            a trainable weight: ``A [(groups,) da, da]``, ``G [(groups,) dg, dg]`` (see
+            :mod:`.curvature`; Conv1D: of its weight transposed).
         embeddings: ``{module: (a, G)}`` for nn.Embedding with a trainable weight
             ``[V, d]``: ``a [V]`` the diagonal of ``A``, ``G [d, d]``; ``kron(diag(a), G)``
             approximates the weight's block (row-major).
@@ -365,8 +367,9 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
                  unsupported: KFACUnsupported = "diagonal") -> KFACFactors:
     """Curvature of every trainable parameter of the hooked modules whose output reached the
     loss, as a :class:`KFACFactors`: Kronecker factors ``(A, G)`` for Linear / Conv1d/2d/3d
-    (indexing the result by such a module gives them), ``(a, G)`` with a diagonal ``A`` for
-    nn.Embedding, and for everything else what ``unsupported`` says:
+    and transformers' Conv1D (indexing the result by such a module gives them), ``(a, G)``
+    with a diagonal ``A`` for nn.Embedding, and for everything else what ``unsupported``
+    says:
 
     - ``"diagonal"`` (default): the parameter's curvature diagonal, scaled as the factors;
     - ``"skip"``: nothing; its qualified name is listed in ``skipped``;
@@ -396,6 +399,8 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
             passes = [forms["weight"] for forms in _pass_forms(layer, ["weight"])]
             spare = state.storage.scratch(layer.module, "kfac")
             if structure == "outer":
+                if rule.weight_transposed:  # Outer(inputs, output gradients): swap them
+                    passes = [[Outer(f.acts, f.grads) for f in forms] for forms in passes]
                 result.kronecker[layer.module] = weight_factors(
                     passes, "bias" in rest, step.scale, approx, spare)
                 rest = [n for n in rest if n not in ("weight", "bias")]
@@ -428,7 +433,7 @@ def _refusal(layer: LayerWork, rule: Rule, structure: str | None, lost: bool,
         why = ("its weight is frozen, and its trainable bias has no Kronecker factors of its "
                "own." if structure is not None else
                f"its rule {type(rule).__name__} gives no Kronecker structure (built in: "
-               "Linear, Conv1d/2d/3d, Embedding).")
+               "Linear, Conv1d/2d/3d, transformers' Conv1D, Embedding).")
         choices = ("Pass unsupported='diagonal' (the default) for the curvature diagonal of "
                    "such layers, or unsupported='skip' to leave them out")
     return (f"compute_kfac: '{layer.name}': Kronecker factors are not available for "

@@ -12,24 +12,24 @@
 
 Every trainable parameter of the model that :func:`per_sample_hooks.curvature.compute_kfac`
 covers is preconditioned (by default every one of the hooked modules whose output reaches the
-loss):
-Kronecker blocks for ``Linear`` / ``Conv1d/2d/3d``, Kronecker blocks with a diagonal ``A`` for
-``nn.Embedding``, and the damped curvature diagonal for the rest (normalization layers,
-attention, the torch.func fallback, ...). What it leaves to the optimizer as it is, and why, is
-in :attr:`KFAC.left_to_optimizer` (and a warning when that set changes): parameters of modules
-that are not hooked or never reach the loss, those ``unsupported="skip"`` leaves out, and a
-parameter shared by several covered modules (GPT-2's tied ``wte`` / ``lm_head`` weight): each
-module has a block for its own use of it, the gradient is their sum, and the sum of two
-Kronecker blocks has no cheap inverse; preconditioning it with one module's block would ignore
-the other's curvature.
+loss): Kronecker blocks for ``Linear`` / ``Conv1d/2d/3d`` / transformers' ``Conv1D``, Kronecker
+blocks with a diagonal ``A`` for ``nn.Embedding``, and the damped curvature diagonal for the
+rest (normalization layers, attention, the torch.func fallback, ...). What it leaves to the
+optimizer as it is, and why, is in :attr:`KFAC.left_to_optimizer` (and a warning when that set
+changes): parameters of modules that are not hooked or never reach the loss, those
+``unsupported="skip"`` leaves out, and a parameter shared by several covered modules (GPT-2's
+tied ``wte`` / ``lm_head`` weight): each module has a block for its own use of it, the gradient
+is their sum, and the sum of two Kronecker blocks has no cheap inverse; preconditioning it with
+one module's block would ignore the other's curvature.
 
 Math, per Kronecker layer (as :func:`~per_sample_hooks.curvature.compute_kfac` returns the
-factors). The weight gradient is seen as a
-matrix ``M [dg, da]`` (Linear ``[out, in]``, conv ``[C_out, C_in/groups * prod(kernel)]``, the
-bias gradient, if the bias is trainable, appended as the last column), and the curvature block
-of the (mean) loss for ``vec(M)`` (row-major) as ``kron(G, A)`` with ``A [da, da]``,
-``G [dg, dg]``. For a grouped conv everything is per group: ``A [groups, da, da]``,
-``G [groups, dg/groups, dg/groups]``, ``M`` viewed as ``[groups, dg/groups, da]``.
+factors). The weight gradient is seen as a matrix ``M [dg, da]`` (Linear ``[out, in]``,
+transformers' Conv1D its stored ``[in, out]`` transposed, conv
+``[C_out, C_in/groups * prod(kernel)]``, the bias gradient, if the bias is trainable, appended
+as the last column), and the curvature block of the (mean) loss for ``vec(M)`` (row-major) as
+``kron(G, A)`` with ``A [da, da]``, ``G [dg, dg]``. For a grouped conv everything is per group:
+``A [groups, da, da]``, ``G [groups, dg/groups, dg/groups]``, ``M`` viewed as
+``[groups, dg/groups, da]``.
 
 1. Running averages (every ``update_freq`` steps; the first update takes the factors as is):
    ``A <- decay * A + (1 - decay) * A_new`` and the same for ``G``.
@@ -84,7 +84,7 @@ import torch
 from torch import Tensor, nn
 
 from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hooks
-from .capture import STATE_ATTRIBUTE, unwrap
+from .capture import STATE_ATTRIBUTE, get_state, unwrap
 from .curvature import KFACFactors, KFACUnsupported, compute_kfac
 from .edges import OutputEdges
 
@@ -172,13 +172,16 @@ def has_trainable_bias(module: nn.Module) -> bool:
     return isinstance(bias, Tensor) and bias.requires_grad
 
 
-def gradient_matrix(module: nn.Module, groups: int, da: int) -> Tensor | None:
-    """The weight gradient (and bias gradient as the last column) as ``[groups, dg/groups, da]``;
-    None when the weight has no gradient."""
+def gradient_matrix(module: nn.Module, groups: int, da: int, transposed: bool = False
+                    ) -> Tensor | None:
+    """The weight gradient (``transposed``: of a weight stored ``[in, out]``, transformers'
+    Conv1D) and the bias gradient as the last column, ``[groups, dg/groups, da]``; None when
+    the weight has no gradient."""
     weight = module.weight
     if weight.grad is None:
         return None
-    m = weight.grad.reshape(groups, weight.shape[0] // groups, -1)
+    grad = weight.grad.t() if transposed else weight.grad
+    m = grad.reshape(groups, grad.shape[0] // groups, -1)
     if has_trainable_bias(module):
         bias = module.bias.grad
         bias = torch.zeros_like(module.bias) if bias is None else bias
@@ -189,8 +192,9 @@ def gradient_matrix(module: nn.Module, groups: int, da: int) -> Tensor | None:
     return m
 
 
-def write_back(module: nn.Module, p: Tensor) -> None:
-    """Split ``p [groups, dg/groups, da]`` into ``weight.grad`` and ``bias.grad`` (in place)."""
+def write_back(module: nn.Module, p: Tensor, transposed: bool = False) -> None:
+    """Split ``p [groups, dg/groups, da]`` into ``weight.grad`` (``transposed``: stored
+    ``[in, out]``) and ``bias.grad`` (in place)."""
     weight = module.weight
     if has_trainable_bias(module):
         p, bias = p[..., :-1], p[..., -1]
@@ -198,7 +202,8 @@ def write_back(module: nn.Module, p: Tensor) -> None:
             module.bias.grad = bias.reshape(module.bias.shape).clone()
         else:
             module.bias.grad.copy_(bias.reshape(module.bias.shape))
-    weight.grad.copy_(p.reshape(weight.shape))
+    weight.grad.copy_(p.reshape(weight.shape[::-1]).t() if transposed else
+                      p.reshape(weight.shape))
 
 
 def write_rows(module: nn.Module, p: Tensor) -> None:
@@ -287,6 +292,8 @@ class KFAC:
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
         self.edges = OutputEdges(model)  # the hooked outputs' edges for backprop_hess
+        self.transposed = {m for m, rule in get_state(model).rules.items()
+                           if getattr(rule, "weight_transposed", False)}  # stored [in, out]
         self.steps = 0
         self.factors: dict[nn.Module, tuple[Tensor, Tensor]] = {}  # running averages, grouped
         self.embeddings: dict[nn.Module, tuple[Tensor, Tensor]] = {}
@@ -387,8 +394,9 @@ class KFAC:
                 m = None if grad is None else grad.t().unsqueeze(0)
                 write = partial(write_rows, module)
             else:
-                m = gradient_matrix(module, eigen.q_a.shape[0], eigen.q_a.shape[-1])
-                write = partial(write_back, module)
+                transposed = module in self.transposed
+                m = gradient_matrix(module, eigen.q_a.shape[0], eigen.q_a.shape[-1], transposed)
+                write = partial(write_back, module, transposed=transposed)
             if m is not None:
                 done.append((m, precondition(m, eigen, self.damping), write))
         for (module, name), diagonal in self.diagonals.items():

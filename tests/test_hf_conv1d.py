@@ -13,7 +13,7 @@ from test_clipping import KEEP_FRACTIONS, keep_fraction
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop
+from ground_truth import assert_matches_loop, weighted_square
 from per_sample_hooks.rules import default_registry
 from per_sample_hooks.rules.hf_conv1d import HFConv1DRule
 
@@ -175,3 +175,48 @@ def test_gpt2_uses_the_rule_and_matches_the_loop(loss):
     for n, per_sample in expected.items():
         error = relative_errors(got[n], torch.stack(per_sample)).max()
         assert error < bound, f"{n}: relative error {error:.2e}"
+
+
+def as_linear(model: nn.Module) -> nn.Module:
+    """The same network with each Conv1D as an nn.Linear whose weight is its transpose."""
+    linear = copy.deepcopy(model)
+    for i, layer in enumerate(model):
+        if isinstance(layer, Conv1D):
+            nx, nf = layer.weight.shape
+            linear[i] = nn.Linear(nx, nf).to(layer.weight.dtype)
+            with torch.no_grad():
+                linear[i].weight.copy_(layer.weight.t())
+                linear[i].bias.copy_(layer.bias)
+            linear[i].bias.requires_grad_(layer.bias.requires_grad)
+    return linear
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("frozen_bias", [False, True])
+def test_kfac_factors_and_step_are_the_transposed_linear_ones(approx, frozen_bias):
+    """Conv1D is a Linear with its weight stored transposed: its Kronecker factors are the
+    factors of that Linear (tested against the float64 loop in test_curvature), and one
+    ``psh.optim.KFAC`` step gives its gradients transposed."""
+    model = two_layers(4, 5, frozen_bias).double()
+    linear = as_linear(model)
+    x = torch.randn(6, 3, 4, dtype=torch.float64)
+    got = {}
+    for net in (model, linear):
+        with psh.add_hooks(net):
+            weighted_square(net(x)).mean().backward()
+            got[net] = psh.compute_kfac(net, approx=approx)
+        net.zero_grad()
+    for conv, lin in zip(model[::2], linear[::2]):
+        assert set(got[model]) == set(model[::2])
+        for mine, reference in zip(got[model][conv], got[linear][lin]):
+            torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-14)
+    for net in (model, linear):
+        precond = psh.optim.KFAC(net, approx=approx, damping=0.1)
+        weighted_square(net(x)).mean().backward()
+        precond.step()
+        assert precond.left_to_optimizer == {}
+        precond.close()
+    for conv, lin in zip(model[::2], linear[::2]):
+        torch.testing.assert_close(conv.weight.grad, lin.weight.grad.t(), rtol=1e-10, atol=1e-12)
+        if not frozen_bias or conv is model[2]:
+            torch.testing.assert_close(conv.bias.grad, lin.bias.grad, rtol=1e-10, atol=1e-12)

@@ -374,11 +374,11 @@ def gpt2_loss(model: nn.Module, ids: Tensor, positions: bool = True) -> Tensor:
 
 @pytest.mark.parametrize("dtype", [DT, torch.float32])
 def test_gpt2_default_compute_kfac(dtype: torch.dtype) -> None:
-    """A tiny random GPT-2, by default: Kronecker factors for ``lm_head``, ``(a, G)`` for the
-    token and position tables, diagonals for LayerNorm and Conv1D, nothing skipped; the
-    tables' factors and the diagonals against the float64 loop (every sample has T tokens, so
-    the mean over tokens is the mean of the samples' losses); the tied ``wte`` / ``lm_head``
-    weight has a factor pair per module."""
+    """A tiny random GPT-2, by default: Kronecker factors for ``lm_head`` and the Conv1D
+    projections, ``(a, G)`` for the token and position tables, diagonals for LayerNorm,
+    nothing skipped; the tables' factors and the diagonals against the float64 loop (every
+    sample has T tokens, so the mean over tokens is the mean of the samples' losses); the tied
+    ``wte`` / ``lm_head`` weight has a factor pair per module."""
     batch, length = 3, 8
     reference = tiny_gpt2(DT)
     ids = torch.randint(0, 50, (batch, length))
@@ -398,12 +398,15 @@ def test_gpt2_default_compute_kfac(dtype: torch.dtype) -> None:
     with psh.add_hooks(model):
         gpt2_loss(model, ids).backward()
         factors = psh.compute_kfac(model)
-    assert [names[m] for m in factors] == ["lm_head"]
+    assert {type(m).__name__ for m in factors} == {"Conv1D", "Linear"}
+    assert len(factors) == 9 and model.lm_head in factors
     assert model.lm_head.weight is model.transformer.wte.weight
     assert {names[m] for m in factors.embeddings} == {"transformer.wte", "transformer.wpe"}
     assert factors.skipped == []
-    assert {type(m).__name__ for m in factors.diagonal} == {"LayerNorm", "Conv1D"}
-    covered = {"lm_head.weight", "transformer.wte.weight", "transformer.wpe.weight"}
+    assert {type(m).__name__ for m in factors.diagonal} == {"LayerNorm"}
+    covered = {"lm_head.weight", "transformer.wte.weight", "transformer.wpe.weight",
+               *(f"{names[m]}.{n}" for m in factors for n in ("weight", "bias")
+                 if m is not model.lm_head)}
     for m, diagonals in factors.diagonal.items():
         for n, diagonal in diagonals.items():
             name = f"{names[m]}.{n}"

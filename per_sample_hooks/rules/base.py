@@ -86,6 +86,11 @@ class Rule:
     #: (``forms.kronecker.weight_factors``).
     kronecker: bool = False
 
+    #: With :attr:`kronecker`: the weight is stored ``[in, out]`` (transformers' ``Conv1D``)
+    #: and its forms are ``Outer(layer inputs, output gradients)``; its Kronecker factors are
+    #: those of the weight transposed, ``[out, in]``, as a Linear's.
+    weight_transposed: bool = False
+
     #: The weight's forms are one-hot ``Rows``: one entry per (sample, position), whose input
     #: picks one row of the weight and whose value is the output gradient there (nn.Embedding):
     #: Kronecker factors with a diagonal input factor (``forms.kronecker.row_factors``).

@@ -21,6 +21,9 @@ from .linear import flatten_positions
 
 @register_rule("transformers.pytorch_utils:Conv1D")
 class HFConv1DRule(Rule):
+    kronecker = True
+    weight_transposed = True  # KFAC factors of the weight as [nf, nx], a Linear's layout
+
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         """Per call: the weight ``Outer(A, G)`` (roles swapped: ``[nx, nf]``), the bias
