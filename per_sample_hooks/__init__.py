@@ -12,6 +12,7 @@ from .api import (
 )
 from .capture import Call, HookState
 from .curvature import (
+    KFACFactors,
     backprop_hess,
     compute_fisher_diag,
     compute_grad_variance,
@@ -45,5 +46,5 @@ __all__ = [
 ]
 __all__ += ["compute_norms", "clip_grads", "DPSGD"]
 __all__ += ["optim", "batch_hessian"]
-__all__ += ["backprop_hess", "compute_hess", "compute_kfac", "compute_fisher_diag",
-            "compute_grad_variance", "compute_gram"]
+__all__ += ["backprop_hess", "compute_hess", "compute_kfac", "KFACFactors",
+            "compute_fisher_diag", "compute_grad_variance", "compute_gram"]

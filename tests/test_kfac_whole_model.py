@@ -144,6 +144,7 @@ def test_embedding_factors_match_the_token_loop(approx: str, loss_type: str,
         assert torch.equal(a_full, torch.diag(a_full.diagonal()))  # one-hot: diagonal
     factors = hooked_kfac(copy.deepcopy(model).to(dtype), tokens, labels, loss_type,
                           approx=approx)
+    assert isinstance(factors, psh.KFACFactors)
     (module, (a, g)), = factors.embeddings.items()
     assert isinstance(module, nn.Embedding) and a.shape == (7,) and g.shape == (4, 4)
     assert a.dtype == g.dtype == dtype
