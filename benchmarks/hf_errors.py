@@ -1,8 +1,10 @@
 """Errors against the float64 per-sample loop on tiny transformers / peft models (the cases of
 ``tests/test_transformers.py``): for each model and dtype, the largest ``|ours - loop|`` over
 parameters and samples relative to the largest loop value of the model, for ``compute_grad1``,
-``compute_norms``, ``clip_grads`` and the gradient of a ``DPSGD`` step (its second step, an
-output-edge backward; no noise). README's table of real models comes from it::
+``compute_norms``, ``clip_grads``, the gradient of a ``DPSGD`` step (its second step, an
+output-edge backward; no noise) and the curvature diagonal that ``compute_kfac`` gives the
+layers without Kronecker factors (normalization layers, raw parameters: against the loop's
+``(1/B) sum_b g_b^2``). README's table of real models comes from it::
 
     python -m benchmarks.hf_errors [gpt2 bert llama vit gpt2-lora]
 """
@@ -45,6 +47,12 @@ def errors(name: str, dtype: torch.dtype, max_norm: float = 0.5) -> list[float]:
     norms = psh.compute_norms(model)
     psh.clip_grads(model, max_norm)
     clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    cases.hooked_step(model, batch)
+    factors = psh.compute_kfac(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    diagonals = {names[id(module.get_parameter(local))]: value
+                 for module, entries in factors.diagonal.items()
+                 for local, value in entries.items()}
     psh.remove_hooks(model)
     expected = cases.loop_grads(copy.deepcopy(twin), batch)
     total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
@@ -62,15 +70,19 @@ def errors(name: str, dtype: torch.dtype, max_norm: float = 0.5) -> list[float]:
     at_step = cases.loop_grads_at(twin, batch, before)
     dp.close()
     psh.remove_hooks(twin)
+    # the empirical-Fisher diagonal of a mean loss, (1/B) sum_b g_b^2 (= diag of p.hess)
+    fisher = {n: expected[n].square().mean(0) for n in diagonals}
     return [relative(grad1, expected), float(((norms.double() - total).abs() / total).max()),
             relative(clipped, clipped_reference(expected, max_norm)),
-            relative(used, clipped_reference(at_step, max_norm))]
+            relative(used, clipped_reference(at_step, max_norm)),
+            relative(diagonals, fisher) if diagonals else float("nan")]
 
 
 def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    print(f"{'model':12} {'dtype':8} {'grad1':>9} {'norms':>9} {'clip':>9} {'DPSGD':>9}")
+    print(f"{'model':12} {'dtype':8} {'grad1':>9} {'norms':>9} {'clip':>9} {'DPSGD':>9} "
+          f"{'kfac diag':>9}")
     for name in sys.argv[1:] or list(cases.MODELS):
         for dtype in (torch.float64, torch.float32):
             row = " ".join(f"{e:9.1e}" for e in errors(name, dtype))
