@@ -3,6 +3,7 @@
     python -m benchmarks.hf_models --threads 1 --rounds 10
     python -m benchmarks.hf_models --models gpt2 --rounds 3 --no-memory
     python -m benchmarks.hf_models --workarounds        # GPT-2 position_ids [B, T], untied
+    python -m benchmarks.hf_models --attention eager    # transformers' eager attention
 
 Models (random init from a config, no download, float32, train mode, dropout 0 so that every
 method computes the same function): hidden size 128, 2 layers, 4 heads, MLP 512, B=16.
@@ -20,7 +21,10 @@ A step, one per method (each on its own copy of the model, timed interleaved rou
 - ``plain``: ``zero_grad``, the call above, ``loss.backward()``, an SGD step.
 - ``psh grad1``: the same on the hooked model, ``psh.compute_grad1(model)`` before the SGD step.
 - ``torch.func``: ``vmap(grad(loss of one sample))`` with ``functional_call``, the same call on
-  a batch of one: the per-sample gradients only (no batch gradient, no step).
+  a batch of one: the per-sample gradients only (no batch gradient, no step). transformers'
+  default attention (``sdpa``) calls CPU flash attention, which ``vmap`` has no batching rule
+  for: it runs sample by sample (torch warns). ``--attention eager`` builds every model with
+  eager attention instead.
 - ``psh clip``: the plain step with ``psh.clip_grads(model, 1.0)`` after ``loss.backward()``.
 - ``psh DPSGD``: ``psh.DPSGD`` (noise 0, fixed-size batches, no accountant):
   ``dp.zero_grad(); dp.backward(loss); dp.step()``.
@@ -39,7 +43,12 @@ difference over the norm of torch.func's, per sample or of the whole clipped gra
 
 Memory (``--no-memory`` skips it) as in ``benchmarks/dp.py``: peak RSS of 3 steps in a fresh
 process above the RSS once the model is built and one step of the method has run on a
-throw-away copy, median of 3 children, for ``MEMORY_METHODS``.
+throw-away copy, median of 3 children, for ``MEMORY_METHODS``. The peak of ``psh DPSGD`` is its
+first step's, which the unseen-use check runs with an ordinary backward; ``psh DPSGD no check``
+(memory only: ``add_hooks(model, check_unseen=False)`` first) is that of the other steps.
+
+``--workarounds``: untied output layers and GPT-2's ``position_ids`` passed as ``[B, T]``
+(Opacus refuses the defaults).
 """
 from __future__ import annotations
 
@@ -94,9 +103,10 @@ def _language_batch(workarounds: bool) -> dict[str, Tensor]:
     return inputs
 
 
-def make_case(name: str, workarounds: bool = False) -> Case:
+def make_case(name: str, workarounds: bool = False, attention: str = "sdpa") -> Case:
     """The named model (random init, seed 0) and its batch; ``workarounds``: untied output
-    layers and GPT-2's ``position_ids`` passed as ``[B, T]`` (features not yet in the library)."""
+    layers and GPT-2's ``position_ids`` passed as ``[B, T]`` (what Opacus needs);
+    ``attention``: transformers' ``attn_implementation``."""
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -104,19 +114,20 @@ def make_case(name: str, workarounds: bool = False) -> Case:
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=LENGTH, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
             n_inner=MLP, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-            eos_token_id=0, tie_word_embeddings=not workarounds)
+            eos_token_id=0, tie_word_embeddings=not workarounds, attn_implementation=attention)
         return Case(transformers.GPT2LMHeadModel(config), _language_batch(workarounds), True)
     if name == "llama":
         config = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
             num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
-            max_position_embeddings=LENGTH, tie_word_embeddings=not workarounds)
+            max_position_embeddings=LENGTH, tie_word_embeddings=not workarounds,
+            attn_implementation=attention)
         return Case(transformers.LlamaForCausalLM(config), _language_batch(False), True)
     if name == "vit":
         config = transformers.ViTConfig(
             hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
             intermediate_size=MLP, image_size=IMAGE, patch_size=PATCH, num_channels=3,
-            num_labels=CLASSES)
+            num_labels=CLASSES, attn_implementation=attention)
         inputs = {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE),
                   "labels": torch.randint(CLASSES, (BATCH,))}
         return Case(transformers.ViTForImageClassification(config), inputs, False)
@@ -269,11 +280,10 @@ def build(method: str, case: Case, lr: float = 1e-3, max_norm: float = MAX_NORM)
                             max_norm)
 
 
-def make_methods(case: str, only: str | None = None, workarounds: bool = False
-                 ) -> dict[str, Step]:
+def make_methods(case: str, only: str | None = None, **options) -> dict[str, Step]:
     """``{method: one step}`` on copies of the same model and batch (``only``: one method,
     warmed on a throw-away copy first, as ``benchmarks.dp.make_methods`` does for memory)."""
-    built = make_case(case, workarounds)
+    built = make_case(case, **options)
     if only:
         build(only, built)()
         gc.collect()
@@ -342,7 +352,7 @@ def _failure(error: Exception) -> str:
 
 # ---------------------------------------------------------------- run
 
-def memory(case: str, methods: list[str], threads: int, workarounds: bool
+def memory(case: str, methods: list[str], threads: int, options: dict
            ) -> dict[str, float | str]:
     """Median peak MiB above set-up of each method (a failure's message instead)."""
     reports: dict[str, float | str] = {}
@@ -350,7 +360,7 @@ def memory(case: str, methods: list[str], threads: int, workarounds: bool
         try:
             reports[method] = statistics.median(
                 peak_memory("benchmarks.hf_models:make_methods", method,
-                            kwargs={"case": case, "only": method, "workarounds": workarounds},
+                            kwargs={"case": case, "only": method, **options},
                             threads=threads).extra_mib for _ in range(MEMORY_REPEATS))
         except RuntimeError as error:
             reports[method] = "fails: " + str(error).strip().splitlines()[-1][:60]
@@ -365,8 +375,10 @@ def _memory_column(reports: dict[str, float | str], method: str) -> str:
 
 
 def run_case(name: str, methods: list[str], rounds: int, with_memory: bool, threads: int,
-             workarounds: bool) -> None:
-    case = make_case(name, workarounds)
+             options: dict) -> None:
+    """Check, time and measure every method on the named model; ``options`` of
+    :func:`make_case`."""
+    case = make_case(name, **options)
     truth = reference(case)
     steps, failures, checks = {}, {}, {}
     for method in methods:
@@ -378,10 +390,10 @@ def run_case(name: str, methods: list[str], rounds: int, with_memory: bool, thre
             failures[method] = _failure(error)
     results = compare(steps, rounds=rounds, warmup=2, budget_s=300)
     measured = [m for m in MEMORY_METHODS if MEMORY_ONLY.get(m, m) in steps]
-    reports = memory(name, measured, threads, workarounds) if with_memory else {}
+    reports = memory(name, measured, threads, options) if with_memory else {}
     extra = {"__header__": f"{'peak MiB':>8} {'x plain':>7}  check vs torch.func"}
     extra.update({m: f"{_memory_column(reports, m)}  {checks[m]}" for m in steps})
-    title = CASES[name].format(tying="untied" if workarounds else "tied")
+    title = CASES[name].format(tying="untied" if options["workarounds"] else "tied")
     print_table(results, "plain", f"\n## {title}  ({threads} thread(s))", extra)
     for method, error in failures.items():
         print(f"{method:<22} fails: {error}")
@@ -408,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--workarounds", action="store_true",
                         help="untied output layers, GPT-2 position_ids as [B, T]")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
+                        help="transformers' attn_implementation (default: its default)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.update(CHILD_MALLOC)  # read by the memory children only
@@ -415,11 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} thread(s), {args.rounds} rounds, interleaved; "
           f"median and inter-quartile range of ms per step"
-          + (" (WORKAROUNDS: untied, GPT-2 position_ids [B, T])" if args.workarounds else ""),
+          + (" (WORKAROUNDS: untied, GPT-2 position_ids [B, T])" if args.workarounds else "")
+          + f"; {args.attention} attention",
           flush=True)
     methods = ["plain"] + [m for m in args.methods if m != "plain"]
     for name in args.models:
-        run_case(name, methods, args.rounds, not args.no_memory, args.threads, args.workarounds)
+        run_case(name, methods, args.rounds, not args.no_memory, args.threads,
+                 {"workarounds": args.workarounds, "attention": args.attention})
     return 0
 
 
