@@ -20,6 +20,9 @@ A step, one per method (each on its own copy of the model, timed interleaved rou
 
 - ``plain``: ``zero_grad``, the call above, ``loss.backward()``, an SGD step.
 - ``psh grad1``: the same on the hooked model, ``psh.compute_grad1(model)`` before the SGD step.
+- ``psh grad1 outputs-bwd``: the per-sample gradients only, as torch.func gives them: the
+  backward to the hooked layers' outputs (``psh.dp.OutputEdges(model).backward(loss)``, no
+  parameter gradient), then ``compute_grad1`` (no step).
 - ``torch.func``: ``vmap(grad(loss of one sample))`` with ``functional_call``, the same call on
   a batch of one: the per-sample gradients only (no batch gradient, no step). transformers'
   default attention (``sdpa``) calls CPU flash attention, which ``vmap`` has no batching rule
@@ -75,12 +78,13 @@ from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 BATCH, LENGTH, VOCAB, HIDDEN, LAYERS, HEADS, MLP = 16, 64, 1000, 128, 2, 4, 512
 IMAGE, PATCH, CLASSES = 32, 4, 10
 MAX_NORM = 1.0
-METHODS = ["plain", "psh grad1", "torch.func", "psh clip", "psh DPSGD", "opacus hooks+clip",
-           "opacus ghost"]
+METHODS = ["plain", "psh grad1", "psh grad1 outputs-bwd", "torch.func", "psh clip", "psh DPSGD",
+           "opacus hooks+clip", "opacus ghost"]
 MEMORY_METHODS = ["plain", "psh grad1", "psh clip", "psh DPSGD", "psh DPSGD no check"]
 MEMORY_ONLY = {"psh DPSGD no check": "psh DPSGD"}  # measured where the second runs
 GOALS = [("psh clip", "plain", 2.0), ("psh DPSGD", "plain", 1.5),
-         ("psh grad1", "torch.func", 1.0)]  # issue 14, goal 9
+         ("psh grad1", "torch.func", 1.0),
+         ("psh grad1 outputs-bwd", "torch.func", 1.0)]  # issue 14, goal 9
 CHECK_TOLERANCE = 1e-4  # float32: a correct method is at ~1e-6
 
 
@@ -177,6 +181,18 @@ def _psh_grad1(model, inputs, language_model, lr, max_norm) -> Step:
     return step
 
 
+def _psh_grad1_outputs_backward(model, inputs, language_model, lr, max_norm) -> Step:
+    from per_sample_hooks.dp import OutputEdges
+    psh.add_hooks(model)
+    edges = OutputEdges(model)
+
+    def step():
+        edges.clear()
+        edges.backward(model(**inputs).loss)
+        psh.compute_grad1(model)
+    return step
+
+
 def _psh_clip(model, inputs, language_model, lr, max_norm) -> Step:
     psh.add_hooks(model)
     optimizer = _sgd(model, lr)
@@ -267,7 +283,8 @@ def _torch_func(model, inputs, language_model, lr, max_norm) -> Step:
 
 
 BUILDERS: dict[str, Callable[..., Step]] = {
-    "plain": _plain, "psh grad1": _psh_grad1, "torch.func": _torch_func,
+    "plain": _plain, "psh grad1": _psh_grad1,
+    "psh grad1 outputs-bwd": _psh_grad1_outputs_backward, "torch.func": _torch_func,
     "psh clip": _psh_clip, "psh DPSGD": _psh_dpsgd, "opacus hooks+clip": _opacus_hooks,
     "opacus ghost": _opacus_ghost,
     "psh DPSGD no check": lambda *args: _psh_dpsgd(*args, check=False),  # memory only
@@ -335,7 +352,7 @@ def check(method: str, case: Case, truth: Reference) -> str:
         norms = step.read_norms()
     if isinstance(norms, Tensor):
         parts.append(f"norms {((norms - truth.norms).abs() / truth.norms).max().item():.1e}")
-    if method == "psh grad1":
+    if method.startswith("psh grad1"):
         difference = {k: params[k].grad1 - g for k, g in truth.grads.items()}
         parts.append(f"grad1 {_relative(difference, truth.grads, 1):.1e}")
     else:
