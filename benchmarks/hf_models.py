@@ -362,6 +362,13 @@ def check(method: str, case: Case, truth: Reference) -> str:
     return ", ".join(parts) + (" WRONG" if worst > CHECK_TOLERANCE else "")
 
 
+def fallback_units(model: nn.Module) -> list[str]:
+    """Types of the modules that ``add_hooks`` hands to the torch.func fallback."""
+    state = psh.add_hooks(copy.deepcopy(model))
+    return sorted({type(m).__name__ for m in state.modules
+                   if isinstance(state.rules[m], psh.FallbackRule)})
+
+
 def _failure(error: Exception) -> str:
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[0][:150]}"
@@ -423,9 +430,11 @@ def run_case(name: str, methods: list[str], rounds: int, with_memory: bool, thre
             ratio = results[method].ratio_to(results[reference_method])
             verdicts.append(f"{method} {ratio:.2f}x {reference_method} (<= {goal}x "
                             f"{'ok' if ratio <= goal else 'MISSED'})")
-    print("goals: " + "; ".join(verdicts), flush=True)
+    if verdicts:
+        print("goals: " + "; ".join(verdicts), flush=True)
     print(f"check: max_norm {truth.max_norm:.3g} (median norm; norms "
-          f"{truth.norms.min().item():.3g}-{truth.norms.max().item():.3g})")
+          f"{truth.norms.min().item():.3g}-{truth.norms.max().item():.3g}); psh fallback units: "
+          f"{', '.join(fallback_units(case.model)) or '-'}")
 
 
 def main(argv: list[str] | None = None) -> int:
