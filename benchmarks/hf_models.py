@@ -39,7 +39,7 @@ A step, one per method (each on its own copy of the model, timed interleaved rou
 
 A method that fails is reported in its row with the error, and the run goes on. Before timing,
 every method runs 3 steps (learning rate 0) on a copy, and its per-sample norms (where it gives
-them), per-sample gradients (``psh grad1``) and clipped gradient are compared with torch.func's
+them), per-sample gradients (``psh grad1`` rows) or clipped gradient are compared with torch.func's
 (the clipping threshold set to the median norm, so that about half the samples are clipped):
 ``check`` gives the largest relative error (norms: per sample; gradients: the norm of the
 difference over the norm of torch.func's, per sample or of the whole clipped gradient).
@@ -93,7 +93,8 @@ CHECK_TOLERANCE = 1e-4  # float32: a correct method is at ~1e-6
 @dataclass
 class Case:
     """A model and one batch: ``inputs`` are the keyword arguments of the model's call (with
-    ``labels``: its ``.loss`` is the batch's mean loss); ``labels`` goes to Opacus' criterion."""
+    ``labels``: its ``.loss`` is the batch's mean loss, a mean of the samples' mean losses);
+    ``language_model``: the labels are the input tokens, shifted by one inside the model."""
     model: nn.Module
     inputs: dict[str, Tensor]
     language_model: bool
