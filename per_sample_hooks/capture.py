@@ -115,8 +115,7 @@ class Call:
             if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype:
                 return t.to(dtype)
             return t
-        self.args = tree_map(convert, self.args)
-        self.kwargs = tree_map(convert, self.kwargs)
+        self.args, self.kwargs = map_tensors(convert, (self.args, self.kwargs))
         self.grads = [[convert(g) for g in passes] for passes in self.grads]
         self.watched = [[convert(g) for g in passes] for passes in self.watched]
         self.versions = [a._version if isinstance(a, Tensor) else None for a in self.args]
@@ -196,6 +195,40 @@ def gradient_tensor(leaf: Tensor) -> Tensor:
             or not (base.is_contiguous() and leaf.is_contiguous()):
         return leaf
     return base
+
+
+def map_tensors(fn: Callable[[Tensor], object], tree: Any) -> Any:
+    """``tree_map`` of ``fn`` over the tensors of ``tree``, called once per distinct tensor: a
+    tensor passed several times (``attn(x, x, x)``) maps to one result, so that a re-run of the
+    forward on the result takes the path the forward took (MultiheadAttention projects
+    ``query is key is value`` in one packed product, else one by one: other roundings)."""
+    results: dict[int, object] = {}  # by id: every key's tensor is alive in ``tree``
+
+    def once(t: object) -> object:
+        if not isinstance(t, Tensor):
+            return t
+        if id(t) not in results:
+            results[id(t)] = fn(t)
+        return results[id(t)]
+    return tree_map(once, tree)
+
+
+def detach_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments as recorded: each positional tensor detached once, keeping the
+    aliasing of the call (see :func:`map_tensors`; a flat loop, it runs on every module call);
+    keyword tensors as they are, but for one also passed positionally (the same detached
+    tensor)."""
+    detached: dict[int, Tensor] = {}
+    for a in args:
+        if isinstance(a, Tensor) and id(a) not in detached:
+            detached[id(a)] = a.detach()
+    if not detached:
+        return args, kwargs
+    args = tuple([detached.get(id(a), a) if isinstance(a, Tensor) else a for a in args])
+    if kwargs:
+        kwargs = {k: detached.get(id(v), v) if isinstance(v, Tensor) else v
+                  for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _to_batch(t: object, dim: int, batch: int) -> object:
@@ -349,7 +382,7 @@ class HookState:
             self.clear()
         elif self.backward_seen and self.forward_after_backward is None:
             self.forward_after_backward = name  # a second micro-batch: refused by compute_*
-        args = tuple([a.detach() if isinstance(a, Tensor) else a for a in args])
+        args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         if self.step_batch is None:
             batch = self._batch_or_none(owner, call)
@@ -360,7 +393,7 @@ class HookState:
             expand = partial(_to_batch, dim=batch_dim, batch=self.step_batch)
             output = expand(output)
             leaves = (output,)
-            call.args, call.kwargs = tree_map(expand, args), tree_map(expand, kwargs)
+            call.args, call.kwargs = map_tensors(expand, (args, kwargs))
 
         def arrived(call: Call = call) -> None:
             if self.on_gradient is not None:

@@ -62,9 +62,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from .capture import Call, HookState
+from .capture import Call, HookState, map_tensors
 from .errors import PerSampleHooksError
 
 CheckUnseen = bool | Literal["always"]
@@ -252,8 +252,11 @@ class UnseenUseCheck:
         dtype and in float64. Float64 gives the exact total of the seen uses; the difference
         of the two measures the rounding of the original backward (the same computation, so the
         same rounding; ``3x``, and its norm, cover kernels that do not round the same way
-        twice). The rules' sum (``hooked``, projected) is a second witness of rounding: it sees
-        the same uses as the recomputation, summed in another order, so its gap to the exact
+        twice). It is the same computation only on the same kernels, which hang on more than
+        the values (:func:`recompute_gradient`; on other kernels a saturated softmax's
+        query/key rounding came out up to 140x smaller than autograd's, and was reported).
+        The rules' sum (``hooked``, projected) is a second witness of rounding: it sees the
+        same uses as the recomputation, summed in another order, so its gap to the exact
         total is rounding alone. A missing term stays in ``total - exact`` in full, so it is
         reported when it exceeds the threshold plus that rounding. Anything that prevents the
         recomputation (no float64 on the device, a forward that cannot be re-run) leaves the
@@ -338,22 +341,25 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
 
     The module's own forward (``torch.func.functional_call``) runs with plain autograd and the
     hooks paused, on copies of the buffers (a BatchNorm's running statistics are not updated
-    twice); grad mode is on, so recurrent layers take their training kernels."""
-    def cast(t: object) -> object:
-        if isinstance(t, Tensor) and t.is_floating_point():
-            return t.detach().to(dtype)
-        return t.detach() if isinstance(t, Tensor) else t
+    twice); grad mode is on, so recurrent layers take their training kernels. It takes the
+    forward's kernels as far as the record tells: arguments keep their aliasing
+    (:func:`~per_sample_hooks.capture.map_tensors`: MultiheadAttention's packed in-projection
+    needs ``query is key is value``) and parameters their ``requires_grad``; inputs do not
+    require grad (the record does not keep whether they did)."""
+    def cast(t: Tensor) -> Tensor:
+        return t.detach().to(dtype) if t.is_floating_point() else t.detach()
 
-    params = {n: cast(q) for n, q in module.named_parameters()}
+    # every parameter requires grad as in the forward: kernels depend on it (matmul folds a
+    # non-contiguous [L, B, E] input into one mm only for a weight that requires grad)
+    params = {n: cast(q).requires_grad_(q.requires_grad) for n, q in module.named_parameters()}
     buffers = {n: cast(b).clone() for n, b in module.named_buffers()}
     weight = params[name].requires_grad_()
     total = torch.zeros_like(weight)
     with state.paused(), torch.enable_grad():
         for call in calls:
             leaves = [j for j, passes in enumerate(call.grads) if passes]
-            output = torch.func.functional_call(
-                module, {**params, **buffers}, tree_map(cast, call.args),
-                tree_map(cast, call.kwargs))
+            args, kwargs = map_tensors(cast, (call.args, call.kwargs))  # aliasing kept
+            output = torch.func.functional_call(module, {**params, **buffers}, args, kwargs)
             flat = tree_flatten(output)[0]
             outputs = [flat[j] for j in leaves]
             for k in range(max(len(call.grads[j]) for j in leaves)):

@@ -8,6 +8,8 @@ from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop
+from per_sample_hooks.capture import get_state
+from per_sample_hooks.unseen import recompute_gradient
 
 
 class TiedLanguageModel(nn.Module):
@@ -152,7 +154,7 @@ class Block(nn.Module):
 
 def block_model(batch, length, d, hidden, depth, conv, attention, reuse, scale):
     """Residual blocks (hooked rules), then optionally a TransformerEncoderLayer (its
-    self-attention handled by the torch.func fallback), inputs scaled by ``scale``."""
+    self-attention called as ``self_attn(x, x, x)``), inputs scaled by ``scale``."""
     torch.manual_seed(batch * 7 + d)
     blocks = [Block(d, hidden, conv) for _ in range(depth)]
     if attention:
@@ -177,12 +179,18 @@ def block_model(batch, length, d, hidden, depth, conv, attention, reuse, scale):
     return Model(), torch.randn(batch, length, d) * scale
 
 
-# Saturated attention (inputs x1e3, one key): the query/key gradients are zero in exact
-# arithmetic but autograd's float32 SDPA backward leaves rounding of norm 0.04 there, next to a
-# value gradient of 0.36 (a 19% gap on one probe); the fallback's explicit softmax gets ~0.
+# Saturated attention (inputs x1e3): the query/key gradients are zero in exact arithmetic but
+# autograd's float32 backward leaves rounding there. One key: of norm 0.04 next to a value
+# gradient of 0.36 (a 19% gap on one probe); the attention rule's softmax gets ~0. Four keys:
+# gaps of 11% and 26% on in_proj_bias, rounding that the confirmation's float32 re-run reproduces
+# only on the forward's own kernels (test_the_confirmation_reruns_the_forward_s_own_path).
 @example(batch=7, length=1, d=14, hidden=45, depth=3, conv=False, attention=True, reuse=True,
          passes=1, scale=1000.0)
 @example(batch=7, length=1, d=14, hidden=45, depth=3, conv=False, attention=True, reuse=True,
+         passes=2, scale=1000.0)
+@example(batch=1, length=4, d=4, hidden=5, depth=2, conv=True, attention=True, reuse=True,
+         passes=1, scale=1000.0)
+@example(batch=2, length=4, d=6, hidden=7, depth=3, conv=True, attention=True, reuse=True,
          passes=2, scale=1000.0)
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 16), length=st.integers(1, 6), d=st.integers(1, 24),
@@ -215,7 +223,32 @@ def test_rounding_of_a_saturated_attention_is_not_an_unseen_use():
     exact = exact_model.blocks[3].self_attn.in_proj_weight.grad
     query_key = slice(0, 2 * 28)
     assert exact[query_key].norm() < 1e-8 < 1e-2 < weight.grad[query_key].norm()  # rounding
-    assert (hooked.double() - exact).norm() < 1e-3 * exact.norm()  # the fallback: exact
+    assert (hooked.double() - exact).norm() < 1e-3 * exact.norm()  # the rule: exact
+
+
+@pytest.mark.parametrize("batch, d, hidden, depth, passes", [(1, 4, 5, 2, 1), (2, 6, 7, 3, 2)])
+def test_the_confirmation_reruns_the_forward_s_own_path(batch, d, hidden, depth, passes):
+    """The confirmation measures autograd's rounding by re-running the users' forward, so the
+    re-run must be the same computation, kernels included: the record keeps the aliasing of
+    the call (``self_attn(x, x, x)``: one tensor, not three detached copies, so
+    MultiheadAttention takes its packed in-projection, ``query is key is value``, again) and
+    the re-run gives every parameter the ``requires_grad`` it had (matmul folds the
+    ``[L, B, E]`` input into one mm only for a weight that requires grad, else bmm). Then the
+    float32 re-run gives autograd's gradient bit for bit. (Before, either difference changed
+    the rounding of the saturated softmax's query/key gradient by up to 140x: the check
+    raised on rounding.)"""
+    model, x = block_model(batch, 4, d, hidden, depth, True, True, True, 1e3)
+    attention = model.blocks[depth].self_attn
+    with psh.add_hooks(model):
+        out = model(x)
+        for _ in range(passes):
+            (out ** 2).mean().backward(retain_graph=True)
+        state = get_state(model)
+        (call,) = state.calls[attention]
+        assert call.args[0] is call.args[1] is call.args[2]
+        for name in ("in_proj_bias", "in_proj_weight"):
+            again = recompute_gradient(state, attention, [call], name, torch.float32)
+            assert torch.equal(again, getattr(attention, name).grad)
 
 
 def test_badly_scaled_attention_still_reports_an_unseen_use():
