@@ -1,0 +1,47 @@
+"""The examples run: a few steps of each with tiny sizes, so that they cannot rot."""
+import importlib.util
+import math
+import os
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dp_gpt2_pydoc_trains_a_few_steps(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("opacus")
+    example = load_example("dp_gpt2_pydoc")
+    reports = example.main([
+        "--epochs", "2", "--steps", "4", "--batch-size", "32", "--context", "16",
+        "--n-embd", "16", "--n-layer", "1", "--n-head", "2", "--lr", "1e-2",
+        "--sample-length", "12"])
+    assert [r["epoch"] for r in reports] == [0, 1, 2]
+    assert math.isnan(reports[0]["train_loss"]) and reports[0]["epsilon"] == 0
+    assert all(math.isfinite(r["train_loss"]) for r in reports[1:])
+    assert 0 < reports[1]["epsilon"] < reports[2]["epsilon"]
+    assert reports[2]["held_out_loss"] < reports[0]["held_out_loss"]
+    for r in reports:
+        assert r["sample"].startswith(example.PROMPT)
+        assert len(r["sample"]) == len(example.PROMPT) + 12
+    printed = capsys.readouterr().out
+    assert printed.count("held-out loss") == 3 and "epsilon" in printed
+
+
+def test_dp_gpt2_pydoc_text_and_vocabulary():
+    pytest.importorskip("transformers")
+    example = load_example("dp_gpt2_pydoc")
+    text = 'The "if" statement\n\N{EM DASH}'
+    assert example.decode(example.encode(text)) == text[:-1] + example.UNKNOWN
+    kept = example.unique_paragraphs({"b": "one\n\ntwo", "a": "two\n\nthree", "c": "three"})
+    assert kept == {"a": "two\n\nthree", "b": "one"}
+    train, held_out = example.load(context=16)
+    assert train.shape[1] == held_out.shape[1] == 16
+    assert 0.03 < len(held_out) / (len(train) + len(held_out)) < 0.2
