@@ -2,8 +2,10 @@
 import importlib.util
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -40,8 +42,25 @@ def test_dp_gpt2_pydoc_text_and_vocabulary():
     example = load_example("dp_gpt2_pydoc")
     text = 'The "if" statement\n\N{EM DASH}'
     assert example.decode(example.encode(text)) == text[:-1] + example.UNKNOWN
-    kept = example.unique_paragraphs({"b": "one\n\ntwo", "a": "two\n\nthree", "c": "three"})
+    kept = example.prose({"b": "one\n\ntwo\n\n    code", "a": "two\n\nthree", "c": "three"})
     assert kept == {"a": "two\n\nthree", "b": "one"}
     train, held_out = example.load(context=16)
     assert train.shape[1] == held_out.shape[1] == 16
     assert 0.03 < len(held_out) / (len(train) + len(held_out)) < 0.2
+
+
+def test_dp_gpt2_pydoc_generates_from_the_trained_positions_only():
+    """A window of ``context`` characters trains the outputs of its first ``context - 1``
+    positions only: generation feeds at most ``context - 1`` characters."""
+    pytest.importorskip("transformers")
+    example = load_example("dp_gpt2_pydoc")
+    lengths = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, input_ids):
+            lengths.append(input_ids.shape[1])
+            return SimpleNamespace(logits=torch.zeros(*input_ids.shape, len(example.ALPHABET) + 1))
+
+    sample = example.generate(Recorder(), "ab", length=6, context=4, top_k=3, seed=0)
+    assert len(sample) == 8 and sample.startswith("ab")
+    assert lengths == [2, 3, 3, 3, 3, 3]
