@@ -160,26 +160,28 @@ def _sgd(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=lr)
 
 
-def _plain(model, inputs, language_model, lr, max_norm) -> Step:
-    optimizer = _sgd(model, lr)
+def _after_backward(then: Callable[[nn.Module, float], object] | None, hooked: bool
+                    ) -> Callable:
+    """A builder of ``zero_grad; loss.backward(); then(model, max_norm); optimizer.step()``,
+    whose step returns what ``then`` returns."""
+    def builder(model, inputs, language_model, lr, max_norm) -> Step:
+        if hooked:
+            psh.add_hooks(model)
+        optimizer = _sgd(model, lr)
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(**inputs).loss.backward()
-        optimizer.step()
-    return step
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            model(**inputs).loss.backward()
+            result = then(model, max_norm) if then is not None else None
+            optimizer.step()
+            return result
+        return step
+    return builder
 
 
-def _psh_grad1(model, inputs, language_model, lr, max_norm) -> Step:
-    psh.add_hooks(model)
-    optimizer = _sgd(model, lr)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(**inputs).loss.backward()
-        psh.compute_grad1(model)
-        optimizer.step()
-    return step
+_plain = _after_backward(None, hooked=False)
+_psh_grad1 = _after_backward(lambda model, max_norm: psh.compute_grad1(model), hooked=True)
+_psh_clip = _after_backward(psh.clip_grads, hooked=True)
 
 
 def _psh_grad1_outputs_backward(model, inputs, language_model, lr, max_norm) -> Step:
@@ -191,19 +193,6 @@ def _psh_grad1_outputs_backward(model, inputs, language_model, lr, max_norm) -> 
         edges.clear()
         edges.backward(model(**inputs).loss)
         psh.compute_grad1(model)
-    return step
-
-
-def _psh_clip(model, inputs, language_model, lr, max_norm) -> Step:
-    psh.add_hooks(model)
-    optimizer = _sgd(model, lr)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(**inputs).loss.backward()
-        norms = psh.clip_grads(model, max_norm)
-        optimizer.step()
-        return norms
     return step
 
 

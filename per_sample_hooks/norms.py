@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from functools import partial
 
 import torch
@@ -227,13 +227,14 @@ def _fully_kept(layer: LayerWork, keep: KeptGrads) -> bool:
                                           for n in layer.parameters)
 
 
-def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads,
-                     shared_by: Callable[[LayerWork], bool]) -> None:
+def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads, shared: Container[int]
+                     ) -> None:
     """When ``layer``'s norms kept its weight's per-sample gradients, keep the rest too (a
     bias's are small) and drop its records: its clipped sum is then a contraction (not for a
     layer with a parameter of several modules, whose clipped sum reads all their forms)."""
     if not layer.calls or not any(keep.get(layer.module, n) is not None
-                                  for n in layer.parameters) or shared_by(layer):
+                                  for n in layer.parameters) \
+            or any(id(p) in shared for p in layer.parameters.values()):
         return
     for name in layer.parameters:
         if keep.get(layer.module, name) is None:
@@ -287,11 +288,8 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
         state.release_records("clip_grads(release_records=True)")
     keep = _kept_grads(state, step, per_layer=early)
     shared = shared_parameters(step)
-
-    def shares(layer: LayerWork) -> bool:
-        return any(id(p) in shared for p in layer.parameters.values())
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep,
-                    shared_by=shares) if early else None
+                    shared=shared) if early else None
     squared = _per_parameter_squared(model, step, keep, after)
     check_unseen_uses(state, step, keep)  # contracts the kept per-sample gradients
     norms = _total(squared, step.batch_size)

@@ -274,7 +274,8 @@ def shared_parameters(step: Step) -> dict[int, list[tuple[LayerWork, str]]]:
 def refuse_shared(step: Step, caller: str) -> None:
     """Raise for a parameter shared by hooked modules (for quantities that do not sum the
     modules' forms of it)."""
-    for uses in shared_parameters(step).values():
+    uses = next(iter(shared_parameters(step).values()), None)
+    if uses is not None:
         (first, _), (second, local) = uses[0], uses[1]
         raise PerSampleHooksError(
             f"{caller}: parameter '{local}' of '{second.name}' is also a parameter of "

@@ -5,6 +5,7 @@ against the float64 per-sample loop for grad1, norms, clipping and a DPSGD step;
 a torch.func fallback unit."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -208,7 +209,6 @@ def test_dpsgd_step_matches_the_loop(name: str, dtype: torch.dtype) -> None:
 def loop_grads_at(model: nn.Module, batch: dict[str, Tensor], values: dict[str, Tensor]
                   ) -> dict[str, Tensor]:
     """:func:`loop_grads` of a float64 copy of ``model`` with trainable parameters ``values``."""
-    import copy
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for n, p in twin.named_parameters():
