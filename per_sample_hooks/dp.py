@@ -1,4 +1,4 @@
-"""DP-SGD around any optimizer: sampling, per-sample clipping, Gaussian noise, accounting.
+"""DP-SGD around any optimizer: sampling, per-sample clipping, Gaussian noise, accounting::
 
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.5), noise_multiplier=1.1,
                max_grad_norm=1.0, dataset_size=len(x), batch_size=64)
