@@ -103,15 +103,25 @@ def micro_batches(indices: Tensor, max_size: int | None) -> list[Tensor]:
 
 # ---------------------------------------------------------------- the noise
 
+def secure_uniform(count: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """``count`` uniforms in ``[0, 1)`` (float32 or float64, every mantissa bit random) from the
+    operating system's cryptographically secure generator (``os.urandom``)."""
+    int_dtype, bits, one = ((torch.int64, 52, 0x3FF0000000000000) if dtype == torch.float64
+                            else (torch.int32, 23, 0x3F800000))
+    raw = torch.frombuffer(bytearray(os.urandom(count * dtype.itemsize)), dtype=int_dtype)
+    # random mantissa bits under the exponent of 1.0: a float in [1, 2)
+    return raw.bitwise_and_((1 << bits) - 1).bitwise_or_(one).view(dtype).sub_(1.0)
+
+
 def secure_gaussian_(out: Tensor, std: float = 1.0) -> Tensor:
-    """Fill ``out`` in place with ``N(0, std^2)`` from the operating system's cryptographically
-    secure generator (``os.urandom``): Box-Muller on 53-bit uniforms, in float64."""
+    """Fill ``out`` in place with ``N(0, std^2)`` from :func:`secure_uniform` by Box-Muller:
+    radii from 52-bit uniforms in float64 (tails to 8.5 std), angles in ``out``'s precision
+    (float32 for float32 and lower, else float64)."""
     pairs = (out.numel() + 1) // 2
-    bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64)
-    uniform = ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64).mul_(2.0 ** -53)  # [0, 1)
-    radius = torch.log1p(-uniform[:pairs]).mul_(-2.0).sqrt_()  # log of (0, 1]
-    angle = uniform[pairs:].mul_(2 * math.pi)
-    normal = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])
+    dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    radius = torch.log1p(secure_uniform(pairs).neg_()).mul_(-2.0).sqrt_().to(dtype)
+    angle = secure_uniform(pairs, dtype).mul_(2 * math.pi)
+    normal = torch.cat([radius * torch.cos(angle), radius.mul_(torch.sin(angle))])
     return out.copy_(normal[:out.numel()].view(out.shape)).mul_(std)
 
 
@@ -542,5 +552,5 @@ class DPSGD:
 
 
 __all__ = ["DPSGD", "OutputEdges", "make_accountant", "noise_multiplier_for", "poisson_batch",
-           "fixed_size_batch", "micro_batches", "gaussian_", "secure_gaussian_", "FlatBuffers",
-           "SampledData"]
+           "fixed_size_batch", "micro_batches", "gaussian_", "secure_gaussian_", "secure_uniform",
+           "FlatBuffers", "SampledData"]
