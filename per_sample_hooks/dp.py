@@ -289,7 +289,8 @@ class DPSGD:
     ``epochs * steps_per_epoch`` steps (:func:`noise_multiplier_for`, with ``accountant``).
 
     ``secure_rng=True`` draws the noise from ``os.urandom`` (:func:`secure_gaussian_`) instead
-    of ``generator``: about 10x the cost of torch's draw on CPU, not reproducible.
+    of ``generator``: about 8x the cost of torch's float32 draw on CPU (2x its float64 one;
+    ``benchmarks/noise_draw.py``), not reproducible.
 
     Virtual batches: :meth:`batches` with ``max_micro_batch`` yields each Poisson batch in
     pieces; :meth:`step` after each piece adds its clipped sum to the batch's and steps (noise,
