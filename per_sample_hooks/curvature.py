@@ -488,8 +488,9 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
         if not layer.calls or not layer.parameters:
             continue
         out = {n: torch.empty_like(p) for n, p in layer.parameters.items()}
-        weights = torch.full((batch,), step.scale / max(batch, 1),
-                             dtype=next(iter(out.values())).dtype)
+        first = next(iter(out.values()))
+        weights = torch.full((batch,), step.scale / max(batch, 1), dtype=first.dtype,
+                             device=first.device)
         layer.rule.weighted_sum(layer.module, layer.calls, weights, out)
         for local, mean in out.items():
             name = names[id(layer)][local]
