@@ -80,17 +80,25 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sample_rate: float
                                 sample_rate=sample_rate, steps=steps, accountant=accountant)
 
 
+def _sampling_device(generator: torch.Generator | None) -> torch.device:
+    """Indices are drawn on the generator's device, the CPU without one (whatever torch's
+    default device: CPU indices index tensors on any device)."""
+    return generator.device if generator is not None else torch.device("cpu")
+
+
 def poisson_batch(dataset_size: int, sample_rate: float, generator: torch.Generator | None
                   ) -> Tensor:
     """Indices of a Poisson-sampled batch: each sample independently with ``sample_rate``."""
-    keep = torch.rand(dataset_size, generator=generator) < sample_rate
+    keep = torch.rand(dataset_size, generator=generator,
+                      device=_sampling_device(generator)) < sample_rate
     return keep.nonzero().flatten()
 
 
 def fixed_size_batch(dataset_size: int, batch_size: int, generator: torch.Generator | None
                      ) -> Tensor:
     """Indices of a uniformly random subset of ``batch_size`` distinct samples."""
-    return torch.randperm(dataset_size, generator=generator)[:batch_size]
+    return torch.randperm(dataset_size, generator=generator,
+                          device=_sampling_device(generator))[:batch_size]
 
 
 def micro_batches(indices: Tensor, max_size: int | None) -> list[Tensor]:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import loop_grads
+from ground_truth import loop_grads, seeded
 from per_sample_hooks.dp import (
     DPSGD,
     fixed_size_batch,
@@ -32,7 +32,7 @@ def _setup(noise=1.0, max_norm=1.0, batch_size=8, dataset_size=64, seed=0, **opt
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     dp = DPSGD(model, optimizer, noise_multiplier=noise, max_grad_norm=max_norm,
                dataset_size=dataset_size, batch_size=batch_size,
-               generator=torch.Generator().manual_seed(seed), **options)
+               generator=seeded(seed), **options)
     return model, dp
 
 
@@ -48,7 +48,7 @@ def test_noise_std_on_empty_batch():
     model = nn.Linear(100, 100)
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.3,
                max_grad_norm=2.0, dataset_size=1000, batch_size=40, accountant=None,
-               generator=torch.Generator().manual_seed(0))
+               generator=seeded(0))
     dp.zero_grad()
     dp.step(empty_batch=True)
     noise = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -80,7 +80,7 @@ def test_noise_is_added_to_clipped_sum_over_expected_size(loss_type):
 
 
 def test_poisson_sampling_statistics():
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     n, q, draws = 200, 0.1, 2000
     sizes, counts = [], torch.zeros(n)
     for _ in range(draws):
@@ -97,7 +97,7 @@ def test_poisson_sampling_statistics():
 
 
 def test_fixed_size_sampling_statistics():
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     n, b, draws = 50, 10, 2000
     counts = torch.zeros(n)
     for _ in range(draws):
@@ -369,7 +369,7 @@ def test_checked_steps_take_an_ordinary_backward(unseen):
     state.unseen.schedule.budget = 0.0  # no sampled checks: only new structures
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
                max_grad_norm=1.0, dataset_size=64, batch_size=8, accountant=None,
-               generator=torch.Generator().manual_seed(0))
+               generator=seeded(0))
     batches = [torch.randn(n, 6, dtype=torch.double) for n in (8, 8, 8, 5, 5, 8)]
     ordinary = []
     for x in batches:
@@ -397,7 +397,7 @@ def _train_epochs(dtype, loss_type, max_micro_batch=None, epochs=3, style="batch
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5),
                noise_multiplier=0.8, max_grad_norm=0.5, dataset_size=12, batch_size=2,
                loss_type=loss_type, accountant=RecordingAccountant(),
-               generator=torch.Generator().manual_seed(5))
+               generator=seeded(5))
     sizes = []
     for _ in range(epochs):
         if style == "accumulate":
@@ -514,7 +514,7 @@ def test_noise_storage_is_reused_across_steps():
     model = nn.Linear(10, 10)
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0,
                max_grad_norm=1.0, dataset_size=100, batch_size=10, accountant=None,
-               generator=torch.Generator().manual_seed(0))
+               generator=seeded(0))
     noises, pointers = [], []
     for _ in range(2):
         dp.zero_grad()
@@ -547,8 +547,8 @@ def test_secure_gaussian_is_standard_normal(dtype):
     other = gaussian_(torch.empty(7, 3, dtype=dtype), 2.0, secure=True)
     assert other.shape == (7, 3) and not torch.equal(other, gaussian_(other.clone(), 2.0,
                                                                       secure=True))
-    seeded = gaussian_(torch.empty(200_000, dtype=dtype), 1.0, torch.Generator().manual_seed(0))
-    _normality(seeded)
+    drawn = gaussian_(torch.empty(200_000, dtype=dtype), 1.0, seeded(0))
+    _normality(drawn)
 
 
 def test_secure_rng_noise():
@@ -583,7 +583,7 @@ def _data_dp(data, **options):
     model = nn.Linear(6, 3)
     return DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0,
                  max_grad_norm=1.0, data=data, accountant=None,
-                 generator=torch.Generator().manual_seed(0), **options)
+                 generator=seeded(0), **options)
 
 
 def test_data_gives_the_samples_of_the_sampled_indices():
@@ -656,7 +656,7 @@ def test_target_epsilon_is_spent_in_the_planned_epochs(epochs):
     model = nn.Linear(3, 2)
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0,
                target_epsilon=2.0, target_delta=1e-5, epochs=epochs, dataset_size=500,
-               batch_size=25, generator=torch.Generator().manual_seed(0))
+               batch_size=25, generator=seeded(0))
     assert dp.noise_multiplier == pytest.approx(
         noise_multiplier_for(2.0, 1e-5, sample_rate=0.05, steps=20 * epochs))
     for _ in range(epochs):
