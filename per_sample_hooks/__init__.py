@@ -34,7 +34,7 @@ from .rules.conv_transpose import (
 )
 from .rules.fallback import FallbackRule, Layout, register_layout
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "add_hooks", "remove_hooks", "disable_hooks", "enable_hooks", "is_supported",
