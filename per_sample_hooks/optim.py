@@ -304,7 +304,9 @@ class KFAC:
         self.read_this_step = False  # factors already read by backprop_hess
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
-        self.edges = OutputEdges(model)  # the hooked outputs' edges for backprop_hess
+        # the hooked outputs' edges for backprop_hess, recorded from its first call on (they
+        # hold the graph of every forward until a backward: none without backprop_hess)
+        self.edges: OutputEdges | None = None
         self.transposed = {m for m, rule in get_state(model).rules.items()
                            if getattr(rule, "weight_transposed", False)}  # stored [in, out]
         self.steps = 0
@@ -332,14 +334,18 @@ class KFAC:
         ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
         ``o`` passes (see :func:`per_sample_hooks.curvature.backprop_hess`).
 
-        The passes stop at the hooked layers' outputs (``backprop_hess(..., edges=)``,
-        recorded in every forward) and compute no parameter gradient, except on the steps the
-        unseen-use check runs (:mod:`per_sample_hooks.unseen`), whose passes go to the graph's
-        leaves so that it has parameter gradients to compare.
+        From the second call on, the passes stop at the hooked layers' outputs
+        (``backprop_hess(..., edges=)``, recorded in every forward from the first call on) and
+        compute no parameter gradient, except on the steps the unseen-use check runs
+        (:mod:`per_sample_hooks.unseen`, the first among them), whose passes go to the graph's
+        leaves so that it has parameter gradients to compare. Without ``backprop_hess`` no
+        edges are recorded: they would keep the graphs of forwards no backward follows.
         """
         if self.steps % self.update_freq != 0 or self.read_this_step:
             return
         from .curvature import backprop_hess  # noqa: PLC0415
+        if self.edges is None:  # records from the next forward on: this pass goes to the leaves
+            self.edges = OutputEdges(self.model)
         backprop_hess(output, hess_type, loss_type=self.loss_type, n_samples=n_samples,
                       generator=generator, retain_graph=True, edges=self.edges)
         self.update_factors(self.read_factors(self.model))
