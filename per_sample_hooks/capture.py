@@ -352,6 +352,10 @@ class HookState:
         self.released_by: str | None = None  # the call that dropped this step's records
         self.step_batch: int | None = None  # the first batch size > 1 captured in this step
         self.handles: list[Any] = []
+        # how many captured hooks autograd freed since the last drop_unreachable (a weakref
+        # callback counts them: the records are scanned only after some graph went away)
+        self._graphs_freed = [0]
+        self._on_graph_freed = partial(_count_freed, self._graphs_freed)
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         # called as on_gradient(module, call) after a gradient of a call's output is captured
         # (set for the length of a backward by an add-on)
@@ -429,12 +433,18 @@ class HookState:
                 for notify in self.on_capture:
                     notify(tensor)
         if not compiling:
-            call.hooks = [weakref.ref(hook) for hook in hooks]
-        calls = self.calls[owner]
-        if calls:
-            calls[:] = [c for c in calls if not c.unreachable]
-        calls.append(call)
+            call.hooks = [weakref.ref(hook, self._on_graph_freed) for hook in hooks]
+        if self._graphs_freed[0]:
+            self.drop_unreachable()
+        self.calls[owner].append(call)
         return output
+
+    def drop_unreachable(self) -> None:
+        """Forget the calls no gradient can reach any more (:attr:`Call.unreachable`)."""
+        self._graphs_freed[0] = 0
+        for calls in self.calls.values():
+            if calls:
+                calls[:] = [c for c in calls if not c.unreachable]
 
     def captures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` is recorded: it has a trainable parameter (a unit: below
@@ -534,6 +544,10 @@ class ForwardHook:
         if self.state is not None:
             return self.state.forward_hook(self.owner, module, args, kwargs, output)
         return None
+
+
+def _count_freed(counter: list[int], _: weakref.ref) -> None:
+    counter[0] += 1
 
 
 def _no_state() -> None:
