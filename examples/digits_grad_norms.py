@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +81,15 @@ def gradient_norms(model: nn.Module, x, y, batch_size: int = 256) -> torch.Tenso
     return torch.cat(norms)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """Train, rank and print; return the test accuracy and the precision of the top k (k the
+    number of flipped labels)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--flip", type=float, default=0.1, help="fraction of labels flipped")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
@@ -117,6 +120,7 @@ def main() -> None:
     print("\nthe clean samples with the largest norms are hard digits (label -> prediction): "
           + ", ".join(f"#{i}: {int(y[i])} -> {p}" for i, p in zip(clean_top, predicted)))
     print(f"done in {time.perf_counter() - start:.1f} s")
+    return {"test_accuracy": accuracy, "precision_at_k": int(is_flipped[ranking[:k]].sum()) / k}
 
 
 if __name__ == "__main__":

@@ -379,24 +379,6 @@ def test_a_few_steps_decrease_the_loss(fisher):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_kfac_digits_example_runs(tmp_path):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("sklearn")
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
-    out = tmp_path / "curves.png"
-    result = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", "kfac_digits.py"), "--epochs", "1",
-         "--tune-epochs", "1", "--batch-size", "256", "--threads", "1", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "SGD + KFAC" in result.stdout and "final train loss" in result.stdout
-    assert out.stat().st_size > 1000
-
-
 def _digits_like_training(**options) -> list[float]:
     """30 steps of SGD (lr 0.1, momentum 0.9) + KFAC(**options) on a small CNN learning a random
     teacher CNN's labels of 8x8 noise images (as examples/kfac_digits.py; nan once diverged)."""
