@@ -5,7 +5,12 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+TEST_THREADS = 1
+"""Torch threads per test process (and, through OMP_NUM_THREADS, per process a test starts: the
+examples, the distributed workers). The tests' models are small: on a shared 2-core machine a
+second thread made them many times slower, never faster. A test that needs more sets its own."""
+torch.set_num_threads(TEST_THREADS)
+os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 TEST_DEVICE = torch.device(os.environ.get("PSH_TEST_DEVICE", "cpu"))
 """Where the suite runs. ``PSH_TEST_DEVICE=cuda`` (or ``cuda:1``) makes it the default device
