@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import distributed
+from .clipping import AdaptiveClipping, MaxGradNorm, Thresholds, thresholds
 from .edges import OutputEdges
-from .norms import check_max_norm, clip_grads
+from .norms import clip_grads
 from .step import LossType
 
 Sampling = Literal["poisson", "fixed"]
@@ -95,13 +96,31 @@ class DPSGD:
     broadcast, so every rank steps with the same gradient. Every rank runs the forward,
     backward and ``step()`` of every step, an empty local batch included (a ``[0, ...]``
     tensor): DDP needs all ranks in each forward, ``step`` in each all-reduce.
+
+    Per-group (per-layer) clipping: ``max_grad_norm`` as groups of parameters with a threshold
+    each (:func:`~per_sample_hooks.clip_grads`); the noise is then
+    ``N(0, (noise_multiplier * sqrt(sum_k C_k^2))^2)``, ``sqrt(sum_k C_k^2)`` being the norm
+    of a clipped sample's gradient at most (Opacus' ``clipping="per_layer"``), and the
+    accounting is unchanged. ``adaptive_clipping``: the threshold (``max_grad_norm``, one
+    number, the initial one) follows a quantile of the norms, estimated privately
+    (:class:`~per_sample_hooks.clipping.AdaptiveClipping`): the gradient noise multiplier is
+    raised so that gradient and count together cost ``noise_multiplier``, which is what the
+    accountant is told; ``dp.max_grad_norm`` is the current threshold.
+
+    Groups of rows (augmentation multiplicity, user-level DP): ``dataset_size`` and
+    ``batch_size`` count groups (examples, users), which :meth:`batches` samples; expand each
+    sampled group into its rows (``K`` augmentations, a user's records) and pass ``groups``
+    to :meth:`step` (an int ``K`` or ``[rows]`` group ids, as in ``clip_grads``): each
+    group's gradient, the mean of its rows', is clipped as one sample's, and the accounting
+    counts groups.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 noise_multiplier: float, max_grad_norm: float, dataset_size: int,
+                 noise_multiplier: float, max_grad_norm: MaxGradNorm, dataset_size: int,
                  batch_size: int, sampling: Sampling = "poisson", loss_type: LossType = "mean",
-                 accountant: str | Any | None = "rdp", generator: torch.Generator | None = None):
-        max_grad_norm = check_max_norm(max_grad_norm, "DPSGD", "max_grad_norm")
+                 accountant: str | Any | None = "rdp", generator: torch.Generator | None = None,
+                 adaptive_clipping: AdaptiveClipping | None = None):
+        self.thresholds = thresholds(model, max_grad_norm, "DPSGD")
         if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
                 and noise_multiplier >= 0):
             raise ValueError(f"DPSGD: noise_multiplier must be a finite number >= 0, got "
@@ -112,7 +131,7 @@ class DPSGD:
         if sampling not in ("poisson", "fixed"):
             raise ValueError(f"DPSGD: sampling must be 'poisson' or 'fixed', got {sampling!r}")
         self.model, self.optimizer = model, optimizer
-        self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
+        self.noise_multiplier = float(noise_multiplier)
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.sampling, self.loss_type = sampling, loss_type
         self.sample_rate = batch_size / dataset_size
@@ -123,6 +142,20 @@ class DPSGD:
         self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
         if self.distributed:
             distributed.skip_gradient_allreduce(model)
+        self.adaptive_clipping = adaptive_clipping
+        self.gradient_noise_multiplier = self.noise_multiplier
+        if adaptive_clipping is not None:
+            if self.thresholds.group_of is not None or self.distributed:
+                raise ValueError("DPSGD: adaptive_clipping needs one max_grad_norm (not groups "
+                                 "of parameters) and a single process (not DDP)")
+            self.gradient_noise_multiplier = adaptive_clipping.gradient_noise_multiplier(
+                self.noise_multiplier, batch_size)
+
+    @property
+    def max_grad_norm(self) -> float | tuple[float, ...]:
+        """The clipping threshold (now, under adaptive clipping), or those of the groups."""
+        values = self.thresholds.values
+        return values[0] if self.thresholds.group_of is None else values
 
     @property
     def steps_per_epoch(self) -> int:
@@ -161,8 +194,10 @@ class DPSGD:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def privatize(self, empty_batch: bool = False) -> Tensor:
-        """Replace ``p.grad`` by the noisy clipped mean; return the (unclipped) per-sample norms.
+    def privatize(self, empty_batch: bool = False, groups: Tensor | int | None = None
+                  ) -> Tensor:
+        """Replace ``p.grad`` by the noisy clipped mean; return the (unclipped) per-sample norms
+        (per group with ``groups``).
 
         The norms are not private: log them only when that is acceptable."""
         if empty_batch:
@@ -173,16 +208,16 @@ class DPSGD:
                 actual = distributed.reduce_clipped(distributed.trainable_grads(self.model), 0,
                                                     self.loss_type)
         elif self.distributed:
-            norms, actual = distributed.clip_and_reduce(self.model, self.max_grad_norm,
-                                                        self.loss_type)
+            norms, actual = distributed.clip_and_reduce(self.model, self.thresholds,
+                                                        self.loss_type, groups=groups)
         else:
-            norms = clip_grads(self.model, self.max_grad_norm, self.loss_type,
+            norms = clip_grads(self.model, self.thresholds, self.loss_type, groups=groups,
                                release_records=True)
             actual = len(norms)
         # clip_grads gives the clipped mean (mean loss) or sum; rescale to sum / expected size
         expected = self.batch_size * (dist.get_world_size() if self.distributed else 1)
         factor = (actual if self.loss_type == "mean" else 1) / expected
-        std = self.noise_multiplier * self.max_grad_norm / expected
+        std = self.gradient_noise_multiplier * self.thresholds.sensitivity / expected
         params = self._parameters()
         for p in params:
             if p.grad is None:
@@ -204,12 +239,19 @@ class DPSGD:
                              device=p.device if self.generator is None
                              else self.generator.device) for p in params]
 
-    def step(self, empty_batch: bool = False) -> Tensor:
-        """Privatize the gradients of this batch, step the optimizer and the accountant.
+    def step(self, empty_batch: bool = False, groups: Tensor | int | None = None) -> Tensor:
+        """Privatize the gradients of this batch, step the optimizer and the accountant (and
+        the adaptive threshold).
 
         Pass ``empty_batch=True`` (and skip forward/backward) when Poisson sampling drew no
-        sample: the step still adds noise and counts for privacy."""
-        norms = self.privatize(empty_batch)
+        sample: the step still adds noise and counts for privacy. ``groups``: the batch's rows
+        in groups (see the class)."""
+        norms = self.privatize(empty_batch, groups)
+        if self.adaptive_clipping is not None:
+            threshold = self.thresholds.values[0]
+            unclipped = int((norms <= threshold).sum())
+            self.thresholds = Thresholds((self.adaptive_clipping.update(
+                threshold, unclipped, self.batch_size, self.generator),))
         self.output_edges.clear()
         self.optimizer.step()
         if self.accountant is not None:

@@ -72,14 +72,14 @@ def assert_norms_match(model: nn.Module, inputs: Sequence[object],
     return total
 
 
-def assert_clipping_matches(model: nn.Module, inputs: Sequence[object], max_norm: float,
+def assert_clipping_matches(model: nn.Module, inputs: Sequence[object], max_grad_norm: float,
                             loss_fn: LossFn = weighted_square, loss_type: str = "mean",
                             rtol: float = 1e-9, atol: float = 1e-10) -> Tensor:
     """clip_grads' p.grad against the loop's clipped mean / sum; returns the norms."""
     model, inputs = as_double(model, inputs)
     try:
         hooked_backward(model, inputs, loss_fn, loss_type)
-        norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
+        norms = psh.clip_grads(model, max_grad_norm, loss_type=loss_type)
         got = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                for n, p in model.named_parameters() if p.requires_grad}
         frozen_grads = [p.grad for p in model.parameters() if not p.requires_grad]
@@ -88,7 +88,7 @@ def assert_clipping_matches(model: nn.Module, inputs: Sequence[object], max_norm
     assert all(g is None for g in frozen_grads), "a frozen parameter got a gradient"
     total, _, grads = loop_norms(model, inputs, loss_fn, loss_type)
     torch.testing.assert_close(norms, total, rtol=rtol, atol=atol)
-    expected = loop_clipped(grads, total, max_norm, loss_type)
+    expected = loop_clipped(grads, total, max_grad_norm, loss_type)
     assert got.keys() == expected.keys()
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=rtol, atol=atol,
@@ -115,7 +115,7 @@ def assert_float32_matches(model: nn.Module, inputs: Sequence[object], max_norm:
             torch.testing.assert_close(norms[n].double(), per_param[n], **tolerance)
         psh.remove_hooks(model)
         hooked_backward(model, inputs, loss_fn, loss_type)
-        clip_norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
+        clip_norms = psh.clip_grads(model, max_grad_norm, loss_type=loss_type)
         torch.testing.assert_close(clip_norms.double(), total, **tolerance)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad.double(), clipped[n], **tolerance)
