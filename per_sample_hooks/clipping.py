@@ -104,7 +104,7 @@ def _selected(model: nn.Module, selector: object, caller: str) -> list[Tensor]:
     """The trainable parameters ``selector`` names (see :data:`MaxGradNorm`)."""
     if isinstance(selector, str):
         for root in (model, unwrap(model)):
-            params = dict(root.named_parameters())
+            params = dict(root.named_parameters(remove_duplicate=False))
             if selector in params:
                 return [params[selector]]
             modules = dict(root.named_modules())
