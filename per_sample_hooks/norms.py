@@ -56,15 +56,27 @@ def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None,
         return dict.fromkeys(names, zeros)
     if rows is not None:  # each group's gradient, the mean of its rows', from the forms
         parts = layer.rule.forms(layer.module, layer.calls, names)
-        return {n: _grouped_norms_squared(parts[n], rows, step) for n in names}
+        return {n: _grouped_norms_squared(parts[n], rows, step, keep, (layer.module, n))
+                for n in names}
     if keep is None:
         return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names)
     return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names, keep=keep)
 
 
-def _grouped_norms_squared(parts: list[forms.Form], rows: RowGroups, step: Step) -> Tensor:
-    """``[count]``: squared norms of the groups' gradients (mean of their rows', scaled)."""
-    squared = forms.norms_squared([regroup(f, rows) for f in parts], rows.count)
+def _grouped_norms_squared(parts: list[forms.Form], rows: RowGroups, step: Step,
+                           keep: KeptGrads | None = None,
+                           key: tuple[nn.Module, str] | None = None) -> Tensor:
+    """``[count]``: squared norms of the groups' gradients (mean of their rows', scaled); where
+    that materializes them, into ``keep``'s buffer for ``key`` when granted (the groups'
+    gradients as captured, for the clipped sum)."""
+    grouped = [regroup(f, rows) for f in parts]
+    kept = keep.reserve(*key, rows.count) if keep is not None and forms.materializes(grouped) \
+        else None
+    if kept is None:
+        squared = forms.norms_squared(grouped, rows.count)
+    else:
+        forms.write(kept, grouped, 1.0)
+        squared = forms.sum_of_squares(kept)
     return squared.mul_(step.scale * step.scale)
 
 
@@ -203,11 +215,6 @@ def _kept_grads(state: HookState, step: Step, per_layer: bool = False) -> KeptGr
     return KeptGrads(int(KEEP_FRACTION * sum(_captured(w) for w in step.layers)), buffer_for)
 
 
-def _fully_kept(layer: LayerWork, keep: KeptGrads) -> bool:
-    return bool(layer.parameters) and all(keep.get(layer.module, n) is not None
-                                          for n in layer.parameters)
-
-
 def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads, shared: Container[int]
                      ) -> None:
     """When ``layer``'s norms kept its weight's per-sample gradients, keep the rest too (a
@@ -255,14 +262,23 @@ def _group_coefficients(model: nn.Module, step: Step, squared: dict[str, Tensor]
             for part, limit in zip(in_group, limits.values)]
 
 
-def _row_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
-                 loss_type: LossType) -> Tensor:
-    """Weights of the captured rows in the clipped sum: the coefficients themselves (a mean
-    loss's captured rows carry ``1/B``), or for groups ``c_g scale / (|g| count)`` (mean) or
-    ``c_g / |g|`` (sum) on each row of group ``g``."""
+def _sample_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
+                    loss_type: LossType) -> Tensor:
+    """Weights of the samples' gradients as captured in the clipped sum: the coefficients
+    themselves (a mean loss's captured rows carry ``1/B``), or of groups' gradients (means of
+    their rows' as captured) ``c_g scale / count`` (mean) or ``c_g`` (sum)."""
     if rows is None:
         return coefficients
-    per_group = coefficients * (step.scale / (rows.count if loss_type == "mean" else 1))
+    return coefficients * (step.scale / (rows.count if loss_type == "mean" else 1))
+
+
+def _row_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
+                 loss_type: LossType) -> Tensor:
+    """Weights of the captured rows in the clipped sum: :func:`_sample_weights` of each row's
+    group divided by the group's size."""
+    per_group = _sample_weights(coefficients, rows, step, loss_type)
+    if rows is None:
+        return per_group
     return per_group[rows.ids.to(per_group.device)] * rows.weights.to(per_group)
 
 
@@ -317,17 +333,19 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     early = release_records and not check_compares(state) and rows is None
     if release_records:
         state.release_records("clip_grads(release_records=True)")
-    keep = _kept_grads(state, step, per_layer=early) if rows is None else None
+    keep = _kept_grads(state, step, per_layer=early)  # of the groups' gradients with rows
     shared = shared_parameters(step)
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep,
                     shared=shared) if early else None
     squared = _per_parameter_squared(model, step, keep, after, rows)
-    check_unseen_uses(state, step, keep)  # contracts the kept per-sample gradients
+    # contracts the kept per-sample gradients (not those of groups: it compares rows' sums)
+    check_unseen_uses(state, step, keep if rows is None else None)
     norms = _total(squared, step.batch_size if rows is None else rows.count)
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
-    weights = [_row_weights(c, rows, step, loss_type)
-               for c in _group_coefficients(model, step, squared, norms, limits, "clip_grads")]
+    coefficients = _group_coefficients(model, step, squared, norms, limits, "clip_grads")
+    weights = [_row_weights(c, rows, step, loss_type) for c in coefficients]
+    kept_weights = [_sample_weights(c, rows, step, loss_type) for c in coefficients]
     for uses in shared.values():  # before any of their modules' records are released
         layer, local = uses[0]
         p = layer.parameters[local]
@@ -344,17 +362,16 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
             for p in layer.parameters.values():
                 if p.grad is not None and id(p) not in shared:
                     p.grad.zero_()
-        elif keep is not None and _fully_kept(layer, keep):
-            for name, p in layer.parameters.items():
-                contract_samples(_grad_target(p), keep.get(layer.module, name),
-                                 weights[limits.group(p)])
-        elif layer.parameters:
+        else:  # the kept per-sample gradients contracted, the rest from the rule
             by_group: dict[int, dict[str, Tensor]] = {}
             for name, p in layer.parameters.items():
-                if id(p) not in shared:
+                kept = keep.get(layer.module, name)
+                if kept is not None:
+                    contract_samples(_grad_target(p), kept, kept_weights[limits.group(p)])
+                elif id(p) not in shared:
                     by_group.setdefault(limits.group(p), {})[name] = _grad_target(p)
             for k, out in by_group.items():
-                layer.rule.weighted_sum(layer.module, layer.calls, weights[k], out, keep=keep)
+                layer.rule.weighted_sum(layer.module, layer.calls, weights[k], out)
         if release_records:
             for call in layer.calls:
                 call.release()

@@ -12,10 +12,12 @@ from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import sum_of_outputs
+from per_sample_hooks import norms as norms_module
 from per_sample_hooks.forms import ghost
 
 UNEQUAL = torch.tensor([7, 3, 7, 5, 3, 7])  # groups of sizes 3, 2, 1, not contiguous
 DTYPES = [torch.float64, torch.float32]
+KEEP = [0.0, 1e9]  # the clipped sum from the forms, from the kept (groups') gradients
 
 
 def mlp(positions: bool) -> tuple[nn.Module, list]:
@@ -129,17 +131,21 @@ def halves(model: nn.Module) -> list:
 @pytest.mark.parametrize("groups", [UNEQUAL, 2], ids=["ids", "K2"])
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-def test_groups_of_rows_every_family(family, groups, loss_type, dtype):
+@pytest.mark.parametrize("keep", KEEP, ids=["forms", "kept"])
+def test_groups_of_rows_every_family(family, groups, loss_type, dtype, keep, monkeypatch):
+    monkeypatch.setattr(norms_module, "KEEP_FRACTION", keep)
     model, inputs = build(family)
     norms = assert_grouped_clipping_matches(model, inputs, 0.1, groups, sum_of_outputs,
                                             loss_type, dtype)
-    assert len(norms) == (3 if groups is UNEQUAL else 3) and bool((norms > 0.1).any())
+    assert len(norms) == 3 and bool((norms > 0.1).any())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-def test_per_group_thresholds_every_family(family, loss_type, dtype):
+@pytest.mark.parametrize("keep", KEEP, ids=["forms", "kept"])
+def test_per_group_thresholds_every_family(family, loss_type, dtype, keep, monkeypatch):
+    monkeypatch.setattr(norms_module, "KEEP_FRACTION", keep)
     model, inputs = build(family)
     assert_grouped_clipping_matches(model, inputs, halves(model), None, sum_of_outputs,
                                     loss_type, dtype)

@@ -67,21 +67,25 @@ def row_groups(groups: Tensor | int, batch: int, caller: str) -> RowGroups:
     return RowGroups(ids, index, 1.0 / sizes[ids].double(), contiguous)
 
 
-def _gather(t: Tensor, groups: RowGroups) -> Tensor:
+def _gather(t: Tensor, groups: RowGroups, count: int | None = None) -> Tensor:
     """``[B, Gr, T, f]`` -> ``[count, Gr, K * T, f]``: each group's rows' positions side by
-    side (padding rows zero)."""
+    side (padding rows zero); of ``count`` consecutive groups' rows when contiguous."""
     rows, gr, positions, f = t.shape
+    count = groups.count if count is None else count
     if groups.contiguous:
-        stacked = t.reshape(groups.count, -1, gr, positions, f)
+        stacked = t.reshape(count, -1, gr, positions, f)
     else:
         stacked = torch.cat([t, t.new_zeros(1, gr, positions, f)])[groups.index.to(t.device)]
-    return stacked.transpose(1, 2).reshape(groups.count, gr, -1, f)
+    return stacked.transpose(1, 2).reshape(count, gr, -1, f)
 
 
 def _gathered_build(acts: Unfolded, groups: RowGroups) -> Unfolded:
     """Lazily built activations of groups ``start:stop``: their rows' patches built at once
     (rows ``lo:hi`` spanning them), gathered."""
     def build(start: int, stop: int) -> Tensor:
+        if groups.contiguous:  # a view of the rows' patches (for one conv group)
+            return _gather(acts.build(start * groups.index.shape[1],
+                                      stop * groups.index.shape[1]), groups, stop - start)
         index = groups.index[start:stop]
         valid = index < groups.rows
         lo, hi = int(index[valid].min()), int(index[valid].max()) + 1
