@@ -1,5 +1,6 @@
 """DPSGD with per-group thresholds (noise from the sensitivity sqrt(sum C_k^2)), groups of rows
 (counted as the samples) and adaptive clipping (Andrew et al. 2021)."""
+import copy
 import math
 
 import pytest
@@ -137,24 +138,37 @@ def test_adaptive_threshold_follows_the_quantile_with_poisson_batches():
     assert abs(average / target - 1) < 0.05, (average, target)
 
 
-def test_dpsgd_groups_of_rows_clip_groups_and_count_them():
+@pytest.mark.parametrize("max_grad_norm", [0.3, lambda m: [(m[0], 0.2), (m[1:], 0.1)]],
+                         ids=["one", "per-layer"])
+def test_dpsgd_groups_of_rows_clip_groups_and_count_them(max_grad_norm):
     """K=4 rows per sampled example: DPSGD's gradient (no noise) is clip_grads(groups=4)'s
-    clipped mean over the groups times count / expected batch; the norms are per group."""
+    clipped mean over the groups times count / expected batch; the norms are per group. Two
+    steps: the first checked (an ordinary backward), the second not (output edges, per-sample
+    gradients formed on arrival)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-    x = torch.randn(3 * 4, 6, dtype=torch.double)
+    model = nn.Sequential(nn.Linear(6, 2), nn.LayerNorm(2), nn.Flatten(),
+                          nn.Linear(16, 3)).double()  # many positions: formed on arrival
+    reference = copy.deepcopy(model)
+    if callable(max_grad_norm):
+        max_grad_norm, reference_norm = max_grad_norm(model), max_grad_norm(reference)
+    else:
+        reference_norm = max_grad_norm
+    x = torch.randn(3 * 4, 8, 6, dtype=torch.double)
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
-               max_grad_norm=0.3, dataset_size=64, batch_size=8, accountant=RecordingAccountant())
-    dp.zero_grad()
-    dp.backward(model(x).pow(2).sum(1).mean())
-    norms = dp.step(groups=4)
-    got = [p.grad.clone() for p in model.parameters()]
-    assert norms.shape == (3,) and dp.accountant.history == [(0.0, 8 / 64)]
-    psh.add_hooks(model)  # (DPSGD's hooks are on the model already: add_hooks is idempotent)
-    model.zero_grad()
-    model(x).pow(2).sum(1).mean().backward()
-    expected_norms = psh.clip_grads(model, 0.3, groups=4)
-    torch.testing.assert_close(norms, expected_norms)
-    assert bool((norms > 0.3).any())
-    for g, p in zip(got, model.parameters()):
-        torch.testing.assert_close(g, p.grad * 3 / 8)
+               max_grad_norm=max_grad_norm, dataset_size=64, batch_size=8,
+               accountant=RecordingAccountant())
+    psh.add_hooks(reference)
+    for _ in range(2):
+        dp.zero_grad()
+        dp.backward(model(x).pow(2).sum(1).mean())
+        norms = dp.step(groups=4)
+        reference.zero_grad()
+        reference(x).pow(2).sum(1).mean().backward()
+        expected_norms = psh.clip_grads(reference, reference_norm, groups=4)
+        assert norms.shape == (3,) and bool((norms > 0.3).any())
+        torch.testing.assert_close(norms, expected_norms)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad * 3 / 8)
+    assert dp.accountant.history == [(0.0, 8 / 64)] * 2
+    assert dp.output_edges is not None
+    psh.remove_hooks(reference)
