@@ -20,6 +20,11 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
   steps the check does not run on (the memory run's 3 steps include the checked first one).
 - ``psh norms outputs-bwd``: the same backward, then ``compute_norms`` (norms when the
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
+- ``psh DPSGD noise 0`` / ``psh DPSGD noise 1``: ``DPSGD`` (no accountant) with noise
+  multiplier 0 and 1: ``dp.zero_grad(); dp.backward(loss); dp.step()`` (the Gaussian draw is
+  the difference).
+- ``psh DPSGD noise only``: ``dp.step(empty_batch=True)`` with noise multiplier 1, no forward
+  or backward: the draw, zero gradients and the SGD step (the cost of the noise alone).
 - ``opacus hooks+clip``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (noise 0): per-sample
   gradients materialized, clipped, summed.
 - ``opacus ghost``: ``GradSampleModuleFastGradientClipping`` + ``DPLossFastGradientClipping``:
@@ -58,7 +63,8 @@ from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 
 MAX_NORM = 1.0
 METHODS = ["plain", "psh norms", "psh norms outputs-bwd", "psh clip", "psh clip outputs-bwd",
-           "psh clip outputs-bwd no check",
+           "psh clip outputs-bwd no check", "psh DPSGD noise 0", "psh DPSGD noise 1",
+           "psh DPSGD noise only",
            "opacus hooks+clip",
            "opacus ghost",
            "backpack L2", "func vmap"]
@@ -181,6 +187,20 @@ def _psh_outputs_backward(model, x, y, clip: bool, check: bool = True):
     return step
 
 
+def _psh_dpsgd(model, x, y, noise: float, empty: bool = False):
+    psh.add_hooks(model)
+    dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=noise,
+                   max_grad_norm=MAX_NORM, dataset_size=10 * len(x), batch_size=len(x),
+                   accountant=None, generator=torch.Generator().manual_seed(0))
+
+    def step():
+        dp.zero_grad()
+        if not empty:
+            dp.backward(F.cross_entropy(model(x), y))
+        dp.step(empty_batch=empty)
+    return step
+
+
 def _opacus_hooks(model, x, y):
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
@@ -259,6 +279,9 @@ BUILDERS: dict[str, Callable] = {
     "psh clip outputs-bwd": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=True),
     "psh clip outputs-bwd no check": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=True,
                                                                            check=False),
+    "psh DPSGD noise 0": lambda m, x, y: _psh_dpsgd(m, x, y, 0.0),
+    "psh DPSGD noise 1": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0),
+    "psh DPSGD noise only": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0, empty=True),
     "opacus hooks+clip": _opacus_hooks,
     "opacus ghost": _opacus_ghost,
     "backpack L2": _backpack,

@@ -214,14 +214,10 @@ class AdaptiveClipping:
                 "to be positive: raise it (the paper uses the expected batch size / 20)")
         return (noise_multiplier ** -2 - (2 * sigma_b) ** -2) ** -0.5
 
-    def update(self, threshold: float, unclipped: int, expected_batch: float,
-               generator: torch.Generator | None) -> float:
-        """The next threshold from this step's count of unclipped samples (noised here)."""
-        std = self.count_noise(expected_batch)
-        noise = float(torch.normal(0.0, std, (1,), generator=generator,
-                                   device=None if generator is None else generator.device)
-                      ) if std else 0.0
-        fraction = (unclipped + noise) / expected_batch
+    def update(self, threshold: float, noisy_count: float, expected_batch: float) -> float:
+        """The next threshold from this step's count of samples within ``threshold``, with
+        its ``N(0, count_noise^2)`` noise added (by the caller, as the gradient's)."""
+        fraction = noisy_count / expected_batch
         return threshold * math.exp(-self.learning_rate * (fraction - self.target_quantile))
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import loop_grads, weighted_square
+from ground_truth import loop_grads, seeded, weighted_square
 
 STEPS = 1000
 RSS_GROWTH_BOUND_MB = 25.0
@@ -21,6 +21,9 @@ model: ~10 kB) would grow by ~10 MB over 1,000 steps, a leak of one per-sample b
 
 
 def resident_mb() -> float:
+    """The process' resident set (CPU), or the tensor memory of the default CUDA device."""
+    if torch.get_default_device().type == "cuda":
+        return torch.cuda.memory_allocated() / 2**20
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -58,7 +61,7 @@ def test_thousand_steps_keep_resident_memory_flat():
     settled) to step 1,000 must stay under the bound."""
     torch.manual_seed(0)
     model = small_cnn()
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     with psh.add_hooks(model) as state:
         readings = train(model, STEPS, generator, measure_every=100)
         gc.collect()
@@ -196,7 +199,7 @@ def test_two_threads_each_training_its_own_model():
     def worker(seed: int, width: int) -> None:
         try:
             model = mlp(seed, width)
-            generator = torch.Generator().manual_seed(seed)
+            generator = seeded(seed)
             with psh.add_hooks(model):
                 for step in range(15):
                     checked_step(model, torch.randn(2 + step % 5 + seed, 4, generator=generator,

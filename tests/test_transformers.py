@@ -14,6 +14,7 @@ from norms_truth import loop_clipped
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
+from ground_truth import seeded
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,7 +91,7 @@ def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Tensor]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = make().to(dtype)
-    return model.train(), batch(torch.Generator().manual_seed(1))
+    return model.train(), batch(seeded(1))
 
 
 def sample(batch: dict[str, Tensor], i: int) -> dict[str, Tensor]:
