@@ -172,3 +172,33 @@ def test_dpsgd_groups_of_rows_clip_groups_and_count_them(max_grad_norm):
     assert dp.accountant.history == [(0.0, 8 / 64)] * 2
     assert dp.output_edges is not None
     psh.remove_hooks(reference)
+
+
+def test_virtual_batches_with_groups_and_adaptive_clipping_equal_whole_batches():
+    """Pieces of 5 examples (K=2 rows each) step as the whole batch of 12 does: the same
+    parameters and thresholds (the unclipped count summed over the pieces, updated once per
+    batch, the noise drawn in the same order)."""
+    def run(max_micro_batch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        x = torch.randn(48, 6, dtype=torch.double)
+        dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.5), noise_multiplier=1.0,
+                   max_grad_norm=0.5, dataset_size=48, batch_size=12, sampling="fixed",
+                   generator=torch.Generator().manual_seed(0),
+                   adaptive_clipping=AdaptiveClipping(0.5, 0.2, count_noise_multiplier=3.0))
+        thresholds = []
+        for piece in dp.batches(max_micro_batch=max_micro_batch):
+            dp.zero_grad()
+            rows = x[piece].repeat_interleave(2, 0)
+            dp.backward((model(rows + 0.1 * torch.sin(rows))).pow(2).sum(1).mean())
+            dp.step(groups=2)
+            thresholds.append(dp.max_grad_norm)
+        dp.close()
+        psh.remove_hooks(model)
+        return thresholds, list(model.parameters())
+    whole, whole_params = run(None)
+    pieces, piece_params = run(5)
+    assert len(whole) == 4 and len(pieces) == 12  # 4 batches of 12: pieces of 5, 5, 2
+    assert pieces[2::3] == pytest.approx(whole, rel=1e-12) and len(set(whole)) == 4
+    for p, q in zip(whole_params, piece_params):
+        torch.testing.assert_close(p, q)

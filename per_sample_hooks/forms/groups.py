@@ -20,9 +20,10 @@ from .core import Dense, Form, Outer, Rows, Unfolded, features
 
 @dataclass(frozen=True)
 class RowGroups:
-    """``ids [B]``: each row's group in ``0..count-1``; ``index [count, K]``: the rows of each
-    group (``K`` the largest group), padded with ``B`` (a zero row); ``weights [B]``: ``1 /
-    size`` of each row's group (the mean); ``contiguous``: group ``g`` is rows ``gK..gK+K-1``."""
+    """On the CPU (moved where a form needs them): ``ids [B]``: each row's group in
+    ``0..count-1``; ``index [count, K]``: the rows of each group (``K`` the largest group),
+    padded with ``B`` (a zero row); ``weights [B]``: ``1 / size`` of each row's group (the
+    mean); ``contiguous``: group ``g`` is rows ``gK..gK+K-1``."""
     ids: Tensor
     index: Tensor
     weights: Tensor
@@ -48,8 +49,8 @@ def row_groups(groups: Tensor | int, batch: int, caller: str) -> RowGroups:
         if groups < 1 or batch % groups:
             raise ValueError(f"{caller}: groups={groups} consecutive rows must divide the batch "
                              f"of {batch} rows")
-        rows = torch.arange(batch)
-        weights = torch.full((batch,), 1.0 / groups, dtype=torch.float64)
+        rows = torch.arange(batch, device="cpu")
+        weights = torch.full((batch,), 1.0 / groups, dtype=torch.float64, device="cpu")
         return RowGroups(rows // groups, rows.view(-1, groups), weights, True)
     if groups.dim() != 1 or groups.shape[0] != batch or groups.is_floating_point() \
             or groups.is_complex() or groups.dtype == torch.bool:
@@ -59,11 +60,12 @@ def row_groups(groups: Tensor | int, batch: int, caller: str) -> RowGroups:
     _, ids, sizes = torch.unique(groups.cpu(), return_inverse=True, return_counts=True)
     order = torch.sort(ids, stable=True).indices
     starts = torch.cumsum(sizes, 0) - sizes
-    position = torch.arange(batch) - starts[ids[order]]
-    index = torch.full((len(sizes), int(sizes.max()) if batch else 0), batch, dtype=torch.long)
+    position = torch.arange(batch, device="cpu") - starts[ids[order]]
+    index = torch.full((len(sizes), int(sizes.max()) if batch else 0), batch, dtype=torch.long,
+                       device="cpu")
     index[ids[order], position] = order
     contiguous = bool((sizes == sizes[0]).all()) and torch.equal(
-        index.flatten(), torch.arange(batch)) if batch else True
+        index.flatten(), torch.arange(batch, device="cpu")) if batch else True
     return RowGroups(ids, index, 1.0 / sizes[ids].double(), contiguous)
 
 
