@@ -15,6 +15,11 @@ backward. Methods (each on its own copy of the model, timed interleaved round by
   one example's augmentations), each group's gradient the mean of its rows'.
 - ``DPSGD``, ``DPSGD per-layer``, ``DPSGD K=4``: a ``DPSGD`` step (noise multiplier 1, its
   backward without parameter gradients, ``release_records``) with those thresholds / groups.
+
+Measured (1 thread, 15 interleaved rounds, x the plain DP step of the same kind): per-layer
+1.00-1.03 everywhere; K=4 1.05 / 1.07 (MLP, clip / DPSGD), 1.22 / 1.01 (CNN: DPSGD forms the
+conv gradients on arrival, then sums rows), 1.09 / 1.11 (tokens T=64: the ghost norm of a
+group of 4 rows costs (4T)^2, 4x that of its rows).
 """
 from __future__ import annotations
 
