@@ -9,7 +9,7 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
 
 - ``plain``: the ordinary step (the reference of every ratio).
 - ``psh norms``: per_sample_hooks ``compute_norms`` after the backward (no clipping).
-- ``psh clip``: per_sample_hooks ``clip_grads`` (max_norm 1) after the ordinary backward.
+- ``psh clip``: per_sample_hooks ``clip_grads`` (max_grad_norm 1) after the ordinary backward.
 - ``psh clip outputs-bwd``: the backward asks autograd for the hooked layers' output gradients
   only (``OutputEdges(model, form_on_arrival=True).backward``, what ``DPSGD.backward`` does),
   skipping the parameter gradients that ``clip_grads`` rebuilds clipped

@@ -44,9 +44,10 @@ from torch.utils.data import (
 from . import distributed
 from .api import clear_backprops
 from .capture import get_state
+from .clipping import AdaptiveClipping, MaxGradNorm, Thresholds, thresholds
 from .edges import OutputEdges
 from .errors import PerSampleHooksError
-from .norms import check_max_norm, clip_grads
+from .norms import clip_grads
 from .step import LossType
 
 Sampling = Literal["poisson", "fixed"]
@@ -314,17 +315,35 @@ class DPSGD:
     broadcast, so every rank steps with the same gradient. Every rank runs the forward,
     backward and ``step()`` of every step, an empty local batch included (a ``[0, ...]``
     tensor): DDP needs all ranks in each forward, ``step`` in each all-reduce.
+
+    Per-group (per-layer) clipping: ``max_grad_norm`` as groups of parameters with a threshold
+    each (:func:`~per_sample_hooks.clip_grads`); the noise is then
+    ``N(0, (noise_multiplier * sqrt(sum_k C_k^2))^2)``, ``sqrt(sum_k C_k^2)`` being the norm
+    of a clipped sample's gradient at most (Opacus' ``clipping="per_layer"``), and the
+    accounting is unchanged. ``adaptive_clipping``: the threshold (``max_grad_norm``, one
+    number, the initial one) follows a quantile of the norms, estimated privately
+    (:class:`~per_sample_hooks.clipping.AdaptiveClipping`): the gradient noise multiplier is
+    raised so that gradient and count together cost ``noise_multiplier``, which is what the
+    accountant is told; ``dp.max_grad_norm`` is the current threshold.
+
+    Groups of rows (augmentation multiplicity, user-level DP): ``dataset_size`` and
+    ``batch_size`` count groups (examples, users), which :meth:`batches` samples; expand each
+    sampled group into its rows (``K`` augmentations, a user's records) and pass ``groups``
+    to :meth:`step` (an int ``K`` or ``[rows]`` group ids, as in ``clip_grads``): each
+    group's gradient, the mean of its rows', is clipped as one sample's, and the accounting
+    counts groups.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 max_grad_norm: float, noise_multiplier: float | None = None,
+                 max_grad_norm: MaxGradNorm, noise_multiplier: float | None = None,
                  dataset_size: int | None = None, batch_size: int | None = None,
                  data: Dataset | DataLoader | None = None,
                  target_epsilon: float | None = None, target_delta: float | None = None,
                  epochs: int | None = None, sampling: Sampling = "poisson",
                  loss_type: LossType = "mean", accountant: str | Any | None = "rdp",
-                 generator: torch.Generator | None = None, secure_rng: bool = False):
-        max_grad_norm = check_max_norm(max_grad_norm, "DPSGD", "max_grad_norm")
+                 generator: torch.Generator | None = None, secure_rng: bool = False,
+                 adaptive_clipping: AdaptiveClipping | None = None):
+        self.thresholds = thresholds(model, max_grad_norm, "DPSGD")
         self.data, dataset_size, batch_size = _data_sizes(data, dataset_size, batch_size)
         if sampling not in ("poisson", "fixed"):
             raise ValueError(f"DPSGD: sampling must be 'poisson' or 'fixed', got {sampling!r}")
@@ -333,7 +352,6 @@ class DPSGD:
                              "takes no generator (the generator would only sample the batches: "
                              "pass it to neither, or leave secure_rng False to reproduce runs)")
         self.model, self.optimizer = model, optimizer
-        self.max_grad_norm = float(max_grad_norm)
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.sampling, self.loss_type = sampling, loss_type
         self.sample_rate = batch_size / dataset_size
@@ -360,6 +378,21 @@ class DPSGD:
         self._accumulated = 0  # micro-batches in self._sums since the last optimizer step
         self._pieces_left = 0  # pieces of the current batch from batches() after this one
         self._last_batch_empty = False  # the last batch batches() yielded had no sample
+        self.adaptive_clipping = adaptive_clipping
+        self.gradient_noise_multiplier = self.noise_multiplier
+        self._unclipped = 0  # samples (groups) of this batch within the threshold, adaptive
+        if adaptive_clipping is not None:
+            if self.thresholds.group_of is not None or self.distributed:
+                raise ValueError("DPSGD: adaptive_clipping needs one max_grad_norm (not groups "
+                                 "of parameters) and a single process (not DDP)")
+            self.gradient_noise_multiplier = adaptive_clipping.gradient_noise_multiplier(
+                self.noise_multiplier, batch_size)
+
+    @property
+    def max_grad_norm(self) -> float | tuple[float, ...]:
+        """The clipping threshold (now, under adaptive clipping), or those of the groups."""
+        values = self.thresholds.values
+        return values[0] if self.thresholds.group_of is None else values
 
     @property
     def steps_per_epoch(self) -> int:
@@ -431,9 +464,11 @@ class DPSGD:
         return self._last_batch_empty if empty_batch is None else empty_batch
 
     @torch.no_grad()
-    def _clip(self, empty_batch: bool) -> tuple[Tensor, float]:
-        """Clip this (micro-)batch: ``p.grad * scale`` becomes its clipped sum (over every
-        rank under DDP). Returns the (unclipped) local norms and ``scale``."""
+    def _clip(self, empty_batch: bool, groups: Tensor | int | None = None
+              ) -> tuple[Tensor, float]:
+        """Clip this (micro-)batch (its groups of rows with ``groups``): ``p.grad * scale``
+        becomes its clipped sum (over every rank under DDP). Returns the (unclipped) local
+        norms and ``scale``."""
         if empty_batch:
             clear_backprops(self.model)  # a backward of the empty batch, if any, is spent
             norms, actual = torch.zeros(0), 0
@@ -443,12 +478,14 @@ class DPSGD:
                 actual = distributed.reduce_clipped(distributed.trainable_grads(self.model), 0,
                                                     self.loss_type)
         elif self.distributed:
-            norms, actual = distributed.clip_and_reduce(self.model, self.max_grad_norm,
-                                                        self.loss_type)
+            norms, actual = distributed.clip_and_reduce(self.model, self.thresholds,
+                                                        self.loss_type, groups=groups)
         else:
-            norms = clip_grads(self.model, self.max_grad_norm, self.loss_type,
+            norms = clip_grads(self.model, self.thresholds, self.loss_type, groups=groups,
                                release_records=True)
             actual = len(norms)
+        if self.adaptive_clipping is not None:
+            self._unclipped += int((norms <= self.thresholds.values[0]).sum())
         for p in self._parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -469,11 +506,12 @@ class DPSGD:
         return state.backward_seen and not state.consumed
 
     @torch.no_grad()
-    def accumulate(self, empty_batch: bool | None = None) -> Tensor:
+    def accumulate(self, empty_batch: bool | None = None, groups: Tensor | int | None = None
+                   ) -> Tensor:
         """Clip this micro-batch and add its clipped sum to the current batch's, without
         stepping (:meth:`step` ends the batch). Returns the micro-batch's unclipped norms."""
         self._refuse_distributed_accumulation()
-        norms, scale = self._clip(self._empty_batch(empty_batch))
+        norms, scale = self._clip(self._empty_batch(empty_batch), groups)
         params = self._parameters()
         sums = self._sums.like(params)
         if not self._accumulated:
@@ -487,7 +525,8 @@ class DPSGD:
         return norms
 
     @torch.no_grad()
-    def privatize(self, empty_batch: bool | None = None) -> Tensor:
+    def privatize(self, empty_batch: bool | None = None, groups: Tensor | int | None = None
+                  ) -> Tensor:
         """Replace ``p.grad`` by the noisy clipped mean of the batch (of its micro-batches added
         by :meth:`accumulate`, and of the backward since, if any); return the (unclipped)
         per-sample norms of the last (micro-)batch.
@@ -497,17 +536,18 @@ class DPSGD:
         params = self._parameters()
         if self._accumulated:
             pending = empty_batch or self._backward_pending()
-            norms = self.accumulate(empty_batch) if pending else torch.zeros(0)
+            norms = self.accumulate(empty_batch, groups) if pending else torch.zeros(0)
             for p, total in zip(params, self._sums.like(params)):
                 p.grad = total.clone() if p.grad is None else p.grad.copy_(total)
             scale, self._accumulated = 1.0, 0
         else:
-            norms, scale = self._clip(empty_batch)
+            norms, scale = self._clip(empty_batch, groups)
         expected = self.batch_size * (dist.get_world_size() if self.distributed else 1)
         if scale != expected:
             for p in params:
                 p.grad.mul_(scale / expected)
-        self._add_noise(params, self.noise_multiplier * self.max_grad_norm / expected)
+        self._add_noise(params, self.gradient_noise_multiplier * self.thresholds.sensitivity
+                        / expected)
         return norms
 
     def _add_noise(self, params: list[nn.Parameter], std: float) -> None:
@@ -524,17 +564,34 @@ class DPSGD:
         for p, n in zip(params, noise):
             p.grad.add_(n)
 
-    def step(self, empty_batch: bool | None = None) -> Tensor:
-        """Privatize the gradients of this batch, step the optimizer and the accountant; after a
-        piece of a batch from ``batches(max_micro_batch=)`` other than its last, only
-        :meth:`accumulate`. Returns the (unclipped) per-sample norms of this (micro-)batch.
+    def _adapt_threshold(self) -> None:
+        """Adaptive clipping: the next threshold from this batch's noisy count of samples
+        within the threshold (the noise drawn as the gradient's)."""
+        noise = torch.zeros(1, dtype=torch.float64)
+        std = self.adaptive_clipping.count_noise(self.batch_size)
+        if std > 0:
+            gaussian_(noise, std, self.generator, self.secure_rng)
+        threshold = self.adaptive_clipping.update(self.thresholds.values[0],
+                                                  self._unclipped + float(noise),
+                                                  self.batch_size)
+        self.thresholds, self._unclipped = Thresholds((threshold,)), 0
+
+    def step(self, empty_batch: bool | None = None, groups: Tensor | int | None = None
+             ) -> Tensor:
+        """Privatize the gradients of this batch, step the optimizer and the accountant (and
+        the adaptive threshold); after a piece of a batch from ``batches(max_micro_batch=)``
+        other than its last, only :meth:`accumulate`. Returns the (unclipped) per-sample norms
+        of this (micro-)batch (per group with ``groups``: the batch's rows in groups, see the
+        class).
 
         An empty batch (Poisson sampling drew no sample; forward and backward skipped) still
         adds noise and counts for privacy: ``empty_batch`` says so, by default whether the last
         batch from :meth:`batches` was empty (False when :meth:`batches` is not used)."""
         if self._pieces_left:
-            return self.accumulate(empty_batch)
-        norms = self.privatize(empty_batch)
+            return self.accumulate(empty_batch, groups)
+        norms = self.privatize(empty_batch, groups)
+        if self.adaptive_clipping is not None:
+            self._adapt_threshold()
         self.output_edges.clear()
         self.optimizer.step()
         if self.accountant is not None:

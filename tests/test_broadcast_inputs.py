@@ -63,7 +63,7 @@ def test_broadcast_calls_match_the_loop(case, loss_type):
     model, x = make(), inputs(seeded(1))
     assert_matches_loop(model, x, loss_type=loss_type)
     assert_norms_match(model, x, loss_type=loss_type)
-    assert_clipping_matches(model, x, max_norm=0.2, loss_type=loss_type)
+    assert_clipping_matches(model, x, max_grad_norm=0.2, loss_type=loss_type)
 
 
 def test_float32_matches_the_loop():

@@ -76,7 +76,7 @@ def test_autocast_bfloat16_forward(index, loss_type):
             assert p.grad1.dtype == p.dtype == torch.float32, n
             reduced = p.grad1.mean(0) if loss_type == "mean" else p.grad1.sum(0)
             assert relative_error(reduced, p.grad) < AUTOCAST_RTOL, n
-        psh.clip_grads(model, max_norm=0.5, loss_type=loss_type)
+        psh.clip_grads(model, max_grad_norm=0.5, loss_type=loss_type)
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     for n in expected:
         error = relative_error(got[n], expected[n])

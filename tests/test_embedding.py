@@ -317,7 +317,7 @@ def test_no_token_per_sample(case, dtype):
         norms = psh.compute_norms(model)
         torch.testing.assert_close(norms.double(), expected_norms, **tolerance)
         hooked_backward(model, x)
-        clipped = psh.clip_grads(model, max_norm=0.1)
+        clipped = psh.clip_grads(model, max_grad_norm=0.1)
         torch.testing.assert_close(clipped.double(), expected_norms, **tolerance)
         coefficients = (0.1 / (expected_norms + 1e-6)).clamp(max=1)
         for n, g in expected.items():

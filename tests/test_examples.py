@@ -91,3 +91,28 @@ def test_kfac_digits_compares_per_epoch_and_per_second(tmp_path, monkeypatch, ca
     printed = capsys.readouterr().out
     assert "s/epoch" in printed and "SGD + KFAC" in printed
     assert out.stat().st_size > 1000
+
+
+def test_dp_digits_augmentation_spends_the_same_epsilon(monkeypatch, capsys):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("opacus")
+    monkeypatch.syspath_prepend(EXAMPLES)  # it imports the digits example's model and data
+    example = load_example("dp_digits_augmentation")
+    results = example.main(["--epochs", "2", "--multiplicities", "1", "3", "--batch-size",
+                            "256", "--threads", str(torch.get_num_threads())])
+    assert sorted(results) == [1, 3] and all(len(r) == 2 for r in results.values())
+    assert [e for _, e in results[1]] == [e for _, e in results[3]]  # groups, not rows, count
+    assert all(acc > 0.2 for r in results.values() for acc, _ in r)  # chance is 0.1
+    assert "acc K=3" in capsys.readouterr().out
+
+
+def test_random_shifts_move_each_image_by_at_most_one_pixel(monkeypatch):
+    pytest.importorskip("sklearn")
+    monkeypatch.syspath_prepend(EXAMPLES)
+    example = load_example("dp_digits_augmentation")
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 3, 4, 5) + 1
+    shifted = example.random_shifts(x, torch.Generator().manual_seed(0))
+    for image, moved in zip(x, shifted):
+        padded = torch.nn.functional.pad(image, (1, 1, 1, 1))
+        assert any(torch.equal(moved, padded[:, i:i + 4, j:j + 5])
+                   for i in range(3) for j in range(3))

@@ -50,7 +50,7 @@ def train(model: nn.Module, steps: int, generator: torch.Generator, measure_ever
         if step % 2:
             psh.compute_grad1(model)
         else:
-            psh.clip_grads(model, max_norm=1.0)
+            psh.clip_grads(model, max_grad_norm=1.0)
         optimizer.step()
         if measure_every and (step + 1) % measure_every == 0:  # after steps 100, 200, ...
             readings.append(resident_mb())

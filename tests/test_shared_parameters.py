@@ -71,7 +71,7 @@ def test_norms_and_clipping_of_a_shared_parameter(case, loss_type):
     model, x = make(), inputs()
     assert_matches_loop(model, x, loss_type=loss_type)
     assert_norms_match(model, x, loss_type=loss_type)
-    assert_clipping_matches(model, x, max_norm=0.3, loss_type=loss_type)
+    assert_clipping_matches(model, x, max_grad_norm=0.3, loss_type=loss_type)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

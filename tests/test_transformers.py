@@ -163,7 +163,7 @@ def test_grad1_norms_clip_match_the_loop(name: str, dtype: torch.dtype) -> None:
         got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
         norms = psh.compute_norms(model)
         per_param = psh.compute_norms(model, per_param=True)
-        clipped_norms = psh.clip_grads(model, max_norm=0.5)
+        clipped_norms = psh.clip_grads(model, max_grad_norm=0.5)
         clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         state = psh.add_hooks(model)
         assert not state.units, "a native rule for each module"
