@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
+from ground_truth import seeded
 from per_sample_hooks.clipping import AdaptiveClipping
 from per_sample_hooks.dp import DPSGD
 
@@ -30,7 +31,7 @@ def empty_step_noise(max_grad_norm, noise=1.3, **options) -> tuple[torch.Tensor,
         max_grad_norm = max_grad_norm(model)
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=noise,
                max_grad_norm=max_grad_norm, dataset_size=1000, batch_size=40,
-               accountant=RecordingAccountant(), generator=torch.Generator().manual_seed(0),
+               accountant=RecordingAccountant(), generator=seeded(0),
                **options)
     dp.zero_grad()
     dp.step(empty_batch=True)
@@ -105,7 +106,7 @@ def run_adaptive(sampling: str, batch_size: int, steps: int, quantile: float, co
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
                max_grad_norm=10 * norms.max().item(), dataset_size=len(x),
                batch_size=batch_size, sampling=sampling, accountant=None,
-               generator=torch.Generator().manual_seed(0),
+               generator=seeded(0),
                adaptive_clipping=AdaptiveClipping(quantile, 0.2, count_noise))
     history = []
     for _ in range(steps):
@@ -184,7 +185,7 @@ def test_virtual_batches_with_groups_and_adaptive_clipping_equal_whole_batches()
         x = torch.randn(48, 6, dtype=torch.double)
         dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.5), noise_multiplier=1.0,
                    max_grad_norm=0.5, dataset_size=48, batch_size=12, sampling="fixed",
-                   generator=torch.Generator().manual_seed(0),
+                   generator=seeded(0),
                    adaptive_clipping=AdaptiveClipping(0.5, 0.2, count_noise_multiplier=3.0))
         thresholds = []
         for piece in dp.batches(max_micro_batch=max_micro_batch):
