@@ -22,7 +22,9 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
 - ``psh DPSGD noise 0`` / ``psh DPSGD noise 1``: ``DPSGD`` (no accountant) with noise
   multiplier 0 and 1: ``dp.zero_grad(); dp.backward(loss); dp.step()`` (the Gaussian draw is
-  the difference).
+  the difference; drawn ahead on a background thread, the default).
+- ``psh DPSGD noise 1 at step``: the same with ``noise_ahead=False``: the noise drawn in
+  ``step()``.
 - ``psh DPSGD noise only``: ``dp.step(empty_batch=True)`` with noise multiplier 1, no forward
   or backward: the draw, zero gradients and the SGD step (the cost of the noise alone).
 - ``opacus hooks+clip``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (noise 0): per-sample
@@ -64,7 +66,7 @@ from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 MAX_NORM = 1.0
 METHODS = ["plain", "psh norms", "psh norms outputs-bwd", "psh clip", "psh clip outputs-bwd",
            "psh clip outputs-bwd no check", "psh DPSGD noise 0", "psh DPSGD noise 1",
-           "psh DPSGD noise only",
+           "psh DPSGD noise 1 at step", "psh DPSGD noise only",
            "opacus hooks+clip",
            "opacus ghost",
            "backpack L2", "func vmap"]
@@ -187,11 +189,12 @@ def _psh_outputs_backward(model, x, y, clip: bool, check: bool = True):
     return step
 
 
-def _psh_dpsgd(model, x, y, noise: float, empty: bool = False):
+def _psh_dpsgd(model, x, y, noise: float, empty: bool = False, ahead: bool = True):
     psh.add_hooks(model)
     dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=noise,
                    max_grad_norm=MAX_NORM, dataset_size=10 * len(x), batch_size=len(x),
-                   accountant=None, generator=torch.Generator().manual_seed(0))
+                   accountant=None, generator=torch.Generator().manual_seed(0),
+                   noise_ahead=ahead)
 
     def step():
         dp.zero_grad()
@@ -281,6 +284,7 @@ BUILDERS: dict[str, Callable] = {
                                                                            check=False),
     "psh DPSGD noise 0": lambda m, x, y: _psh_dpsgd(m, x, y, 0.0),
     "psh DPSGD noise 1": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0),
+    "psh DPSGD noise 1 at step": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0, ahead=False),
     "psh DPSGD noise only": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0, empty=True),
     "opacus hooks+clip": _opacus_hooks,
     "opacus ghost": _opacus_ghost,

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/noise_draw.p
 
 from benchmarks.dp import make_case  # noqa: E402
 from benchmarks.harness import compare, print_table  # noqa: E402
-from per_sample_hooks.dp import secure_gaussian_  # noqa: E402
+from per_sample_hooks.noise import secure_gaussian_  # noqa: E402
 
 
 def make_methods() -> dict:

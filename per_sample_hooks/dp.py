@@ -26,8 +26,7 @@ cryptographically secure source of noise; ``secure_rng=True`` draws it from ``os
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -47,6 +46,7 @@ from .capture import get_state
 from .clipping import AdaptiveClipping, MaxGradNorm, Thresholds, thresholds
 from .edges import OutputEdges
 from .errors import PerSampleHooksError
+from .noise import FlatBuffers, GaussianNoise, gaussian_, noise_generator
 from .norms import clip_grads
 from .step import LossType
 
@@ -110,69 +110,6 @@ def micro_batches(indices: Tensor, max_size: int | None) -> list[Tensor]:
     return list(indices.split(max_size))
 
 
-# ---------------------------------------------------------------- the noise
-
-def secure_uniform(count: int, dtype: torch.dtype = torch.float64) -> Tensor:
-    """``count`` uniforms in ``[0, 1)`` (float32 or float64, every mantissa bit random) from the
-    operating system's cryptographically secure generator (``os.urandom``)."""
-    int_dtype, bits, one = ((torch.int64, 52, 0x3FF0000000000000) if dtype == torch.float64
-                            else (torch.int32, 23, 0x3F800000))
-    raw = torch.frombuffer(bytearray(os.urandom(count * dtype.itemsize)), dtype=int_dtype)
-    # random mantissa bits under the exponent of 1.0: a float in [1, 2)
-    return raw.bitwise_and_((1 << bits) - 1).bitwise_or_(one).view(dtype).sub_(1.0)
-
-
-def secure_gaussian_(out: Tensor, std: float = 1.0) -> Tensor:
-    """Fill ``out`` in place with ``N(0, std^2)`` from :func:`secure_uniform` by Box-Muller:
-    radii from 52-bit uniforms in float64 (tails to 8.5 std), angles in ``out``'s precision
-    (float32 for float32 and lower, else float64)."""
-    pairs = (out.numel() + 1) // 2
-    dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-    radius = torch.log1p(secure_uniform(pairs).neg_()).mul_(-2.0).sqrt_().to(dtype)
-    angle = secure_uniform(pairs, dtype).mul_(2 * math.pi)
-    normal = torch.cat([radius * torch.cos(angle), radius.mul_(torch.sin(angle))])
-    return out.copy_(normal[:out.numel()].view(out.shape)).mul_(std)
-
-
-def gaussian_(out: Tensor, std: float, generator: torch.Generator | None = None,
-              secure: bool = False) -> Tensor:
-    """Fill ``out`` in place with ``N(0, std^2)``: from ``generator`` (drawn on its device) or,
-    with ``secure``, from :func:`secure_gaussian_`."""
-    if secure:
-        return secure_gaussian_(out, std)
-    if generator is None or generator.device == out.device:
-        return out.normal_(0.0, std, generator=generator)
-    drawn = torch.empty(out.shape, dtype=out.dtype, device=generator.device)
-    return out.copy_(drawn.normal_(0.0, std, generator=generator))
-
-
-class FlatBuffers:
-    """One flat tensor per (dtype, device) and a view of it per tensor of a list: allocated on
-    the first call, reused while the shapes, dtypes and devices stay the same."""
-
-    def __init__(self) -> None:
-        self.layout: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        self.flats: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self.views: list[Tensor] = []
-
-    def like(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Views shaped like ``tensors``, in order (uninitialized when new)."""
-        layout = [(t.shape, t.dtype, t.device) for t in tensors]
-        if layout != self.layout:
-            sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-            for shape, dtype, device in layout:
-                sizes[dtype, device] = sizes.get((dtype, device), 0) + shape.numel()
-            self.flats = {key: torch.empty(n, dtype=key[0], device=key[1])
-                          for key, n in sizes.items()}
-            offsets = dict.fromkeys(sizes, 0)
-            self.views = []
-            for shape, dtype, device in layout:
-                start = offsets[dtype, device]
-                offsets[dtype, device] = start + shape.numel()
-                self.views.append(self.flats[dtype, device][start:start + shape.numel()]
-                                  .view(shape))
-            self.layout = layout
-        return self.views
 
 
 # ---------------------------------------------------------------- data
@@ -297,9 +234,13 @@ class DPSGD:
     ``epochs``, which pick the smallest noise multiplier spending that budget in
     ``epochs * steps_per_epoch`` steps (:func:`noise_multiplier_for`, with ``accountant``).
 
-    ``secure_rng=True`` draws the noise from ``os.urandom`` (:func:`secure_gaussian_`) instead
-    of ``generator``: about 8x the cost of torch's float32 draw on CPU (2x its float64 one;
-    ``benchmarks/noise_draw.py``), not reproducible.
+    The noise comes from a generator of its own, seeded from ``generator`` (torch's global one
+    without it) when DPSGD is built, so that runs are reproducible from the seed; with
+    ``noise_ahead`` (the default) the next step's noise is drawn on a background thread while
+    the forward and backward run (:mod:`per_sample_hooks.noise`: on the CPU that hides the
+    draw where a core is free). ``secure_rng=True`` draws it from ``os.urandom``
+    (:func:`~per_sample_hooks.noise.secure_gaussian_`) instead: about 8x the cost of torch's
+    float32 draw on CPU (2x its float64 one; ``benchmarks/noise_draw.py``), not reproducible.
 
     Virtual batches: :meth:`batches` with ``max_micro_batch`` yields each Poisson batch in
     pieces; :meth:`step` after each piece adds its clipped sum to the batch's and steps (noise,
@@ -342,7 +283,7 @@ class DPSGD:
                  epochs: int | None = None, sampling: Sampling = "poisson",
                  loss_type: LossType = "mean", accountant: str | Any | None = "rdp",
                  generator: torch.Generator | None = None, secure_rng: bool = False,
-                 adaptive_clipping: AdaptiveClipping | None = None):
+                 adaptive_clipping: AdaptiveClipping | None = None, noise_ahead: bool = True):
         self.thresholds = thresholds(model, max_grad_norm, "DPSGD")
         self.data, dataset_size, batch_size = _data_sizes(data, dataset_size, batch_size)
         if sampling not in ("poisson", "fixed"):
@@ -374,7 +315,12 @@ class DPSGD:
         self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
         if self.distributed:
             distributed.skip_gradient_allreduce(model)
-        self._noise, self._sums = FlatBuffers(), FlatBuffers()
+        params = self._parameters()
+        self._noise = GaussianNoise(
+            None if secure_rng else noise_generator(
+                generator, params[0].device if params else torch.device("cpu")),
+            secure_rng, ahead=noise_ahead)
+        self._sums = FlatBuffers()
         self._accumulated = 0  # micro-batches in self._sums since the last optimizer step
         self._pieces_left = 0  # pieces of the current batch from batches() after this one
         self._last_batch_empty = False  # the last batch batches() yielded had no sample
@@ -551,18 +497,20 @@ class DPSGD:
         return norms
 
     def _add_noise(self, params: list[nn.Parameter], std: float) -> None:
-        """``p.grad += N(0, std^2)``: one draw per dtype into storage kept across steps, from
-        ``generator`` or ``os.urandom`` (under DDP: drawn on rank 0, broadcast)."""
+        """``p.grad += std * N(0, 1)``: one draw per dtype into storage kept across steps, made
+        ahead during this step (:class:`~per_sample_hooks.noise.GaussianNoise`); under DDP
+        drawn on rank 0 and broadcast."""
         if std <= 0:
             return
-        noise = self._noise.like(params)
-        for flat in self._noise.flats.values():
-            if not self.distributed or dist.get_rank() == 0:
-                gaussian_(flat, std, self.generator, self.secure_rng)
-            if self.distributed:
+        drawing = not self.distributed or dist.get_rank() == 0
+        noise = self._noise.draw(params) if drawing else self._noise.buffers.like(params)
+        if self.distributed:
+            for flat in self._noise.buffers.flats.values():
                 dist.broadcast(flat, src=0)
         for p, n in zip(params, noise):
-            p.grad.add_(n)
+            p.grad.add_(n, alpha=std)
+        if drawing:
+            self._noise.draw_ahead()
 
     def _adapt_threshold(self) -> None:
         """Adaptive clipping: the next threshold from this batch's noisy count of samples
@@ -601,9 +549,10 @@ class DPSGD:
         return norms
 
     def close(self) -> None:
-        """Stop recording the output edges of :meth:`backward` (the capture hooks stay: remove
-        them with :func:`~per_sample_hooks.remove_hooks`)."""
+        """Stop recording the output edges of :meth:`backward` and drawing noise ahead (the
+        capture hooks stay: remove them with :func:`~per_sample_hooks.remove_hooks`)."""
         self.output_edges.remove()
+        self._noise.close()
 
     def epsilon(self, delta: float | None = None) -> float:
         """Privacy spent so far, ``epsilon`` at ``delta`` (by default ``target_delta``), from
@@ -618,5 +567,4 @@ class DPSGD:
 
 
 __all__ = ["DPSGD", "OutputEdges", "make_accountant", "noise_multiplier_for", "poisson_batch",
-           "fixed_size_batch", "micro_batches", "gaussian_", "secure_gaussian_", "secure_uniform",
-           "FlatBuffers", "SampledData"]
+           "fixed_size_batch", "micro_batches", "SampledData"]

@@ -494,7 +494,7 @@ def test_empty_batch_from_batches_needs_no_flag():
 # ---------------------------------------------------------------- the noise
 
 def test_flat_buffers_are_views_kept_across_calls():
-    from per_sample_hooks.dp import FlatBuffers
+    from per_sample_hooks.noise import FlatBuffers
     buffers = FlatBuffers()
     tensors = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
     views = buffers.like(tensors)
@@ -520,9 +520,49 @@ def test_noise_storage_is_reused_across_steps():
         dp.zero_grad()
         dp.step(empty_batch=True)
         noises.append(model.weight.grad.clone())
-        pointers.append([f.data_ptr() for f in dp._noise.flats.values()])
+        pointers.append([f.data_ptr() for f in dp._noise.buffers.flats.values()])
     assert pointers[0] == pointers[1] and len(pointers[0]) == 1
     assert not torch.equal(noises[0], noises[1])
+    dp.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_noise_drawn_ahead_is_the_noise_drawn_in_place(dtype):
+    """GaussianNoise with ``ahead``: the draw of the next call made on a background thread
+    gives the same numbers as drawing at the call, from the same seed; other shapes drop it."""
+    from per_sample_hooks.noise import GaussianNoise
+    shapes = [torch.empty(3, 4, dtype=dtype), torch.empty(5, dtype=dtype),
+              torch.empty(2, dtype=torch.float64)]
+    ahead, in_place = GaussianNoise(seeded(3), ahead=True), GaussianNoise(seeded(3), ahead=False)
+    for _ in range(3):
+        got = [v.clone() for v in ahead.draw(shapes)]
+        ahead.draw_ahead()
+        for g, expected in zip(got, in_place.draw(shapes)):
+            assert g.dtype == expected.dtype and torch.equal(g, expected)
+    other = ahead.draw([torch.empty(7, dtype=dtype)])[0]  # the draw made ahead is dropped
+    assert other.shape == (7,) and torch.isfinite(other).all()
+    ahead.close()
+
+
+def test_dpsgd_noise_ahead_steps_as_without():
+    """Same seed, noise drawn ahead or at the step: the same parameters after real steps
+    (Poisson batches from the same generator, momentum)."""
+    def train(noise_ahead: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        x = torch.randn(40, 6)
+        dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                   noise_multiplier=1.0, max_grad_norm=0.5, dataset_size=40, batch_size=8,
+                   accountant=None, generator=seeded(2), noise_ahead=noise_ahead)
+        for idx in dp.batches():
+            dp.zero_grad()
+            if len(idx):
+                dp.backward(model(x[idx]).pow(2).sum(1).mean())
+            dp.step()
+        dp.close()
+        return [p.detach().clone() for p in model.parameters()]
+    for got, expected in zip(train(True), train(False)):
+        assert torch.equal(got, expected)
 
 
 def _normality(z: torch.Tensor) -> None:
@@ -540,7 +580,7 @@ def _normality(z: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_secure_gaussian_is_standard_normal(dtype):
-    from per_sample_hooks.dp import gaussian_, secure_gaussian_
+    from per_sample_hooks.noise import gaussian_, secure_gaussian_
     z = secure_gaussian_(torch.empty(200_001, dtype=dtype))
     _normality(z)
     assert z.dtype == dtype
