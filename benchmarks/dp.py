@@ -147,7 +147,7 @@ CASES = {"mlp": "MLP 784-512-512-10, B=128", "cnn": "CNN of seed 001, B=64",
 
 # ---------------------------------------------------------------- one step per method
 
-def _plain(model, x, y):
+def plain_step(model, x, y):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
@@ -275,7 +275,7 @@ def _func_vmap(model, x, y):
 
 
 BUILDERS: dict[str, Callable] = {
-    "plain": _plain,
+    "plain": plain_step,
     "psh norms": lambda m, x, y: _psh(m, x, y, clip=False),
     "psh clip": lambda m, x, y: _psh(m, x, y, clip=True),
     "psh norms outputs-bwd": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=False),

@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/dp_clipping.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import per_sample_hooks as psh  # noqa: E402
-from benchmarks.dp import CASES, make_case  # noqa: E402
+from benchmarks.dp import CASES, make_case, plain_step  # noqa: E402
 from benchmarks.harness import compare, print_table  # noqa: E402
 
 MULTIPLICITY = 4
@@ -46,16 +46,6 @@ def per_parameter(model: torch.nn.Module) -> dict[str, float]:
     """One threshold per parameter, ``1 / sqrt(n)`` each: the total sensitivity stays 1."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     return {n: len(names) ** -0.5 for n in names}
-
-
-def _plain(model, x, y):
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return step
 
 
 def _clip(model, x, y, thresholds, groups):
@@ -89,7 +79,7 @@ def variants(build: Callable) -> dict[str, Callable]:
             f" K={MULTIPLICITY}": lambda m, x, y: build(m, x, y, 1.0, MULTIPLICITY)}
 
 
-BUILDERS: dict[str, Callable] = {"plain": _plain}
+BUILDERS: dict[str, Callable] = {"plain": plain_step}
 BUILDERS.update({f"clip{k}": b for k, b in variants(_clip).items()})
 BUILDERS.update({f"DPSGD{k}": b for k, b in variants(_dpsgd).items()})
 

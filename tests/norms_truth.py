@@ -189,3 +189,17 @@ def assert_grouped_clipping_matches(model: nn.Module, inputs: Sequence[object],
         torch.testing.assert_close(got[n].double(), clipped[n], **tolerance,
                                    msg=lambda m, n=n: f"clipped {n}: {m}")
     return norms
+
+
+class RecordingAccountant:
+    """An accountant for DPSGD tests: records each step's ``(noise_multiplier, sample_rate)``;
+    its "epsilon" is the number of steps."""
+
+    def __init__(self):
+        self.history = []
+
+    def step(self, *, noise_multiplier, sample_rate):
+        self.history.append((noise_multiplier, sample_rate))
+
+    def get_epsilon(self, delta):
+        return float(len(self.history))

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from norms_truth import RecordingAccountant
 from torch import nn
 
 import per_sample_hooks as psh
@@ -13,17 +14,6 @@ from per_sample_hooks.dp import (
     noise_multiplier_for,
     poisson_batch,
 )
-
-
-class RecordingAccountant:
-    def __init__(self):
-        self.history = []
-
-    def step(self, *, noise_multiplier, sample_rate):
-        self.history.append((noise_multiplier, sample_rate))
-
-    def get_epsilon(self, delta):
-        return float(len(self.history))
 
 
 def _setup(noise=1.0, max_norm=1.0, batch_size=8, dataset_size=64, seed=0, **options):

@@ -5,23 +5,13 @@ import math
 
 import pytest
 import torch
+from norms_truth import RecordingAccountant
 from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import seeded
 from per_sample_hooks.clipping import AdaptiveClipping
 from per_sample_hooks.dp import DPSGD
-
-
-class RecordingAccountant:
-    def __init__(self):
-        self.history = []
-
-    def step(self, *, noise_multiplier, sample_rate):
-        self.history.append((noise_multiplier, sample_rate))
-
-    def get_epsilon(self, delta):
-        return float(len(self.history))
 
 
 def empty_step_noise(max_grad_norm, noise=1.3, **options) -> tuple[torch.Tensor, DPSGD]:
