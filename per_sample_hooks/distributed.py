@@ -61,6 +61,7 @@ from .capture import unwrap
 from .curvature import KFACFactors
 from .errors import PerSampleHooksError
 from .norms import clip_grads as clip_grads_local
+from .sharded import is_sharded
 
 
 def _no_communication(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
@@ -157,9 +158,13 @@ def reduce_clipped(grads: list[Tensor], local_batch: int, loss_type: LossType,
 
 
 def trainable_grads(model: nn.Module) -> list[Tensor]:
-    """``p.grad`` of every trainable parameter (zeros where there is none), in model order."""
+    """``p.grad`` of every trainable parameter (zeros where there is none), in model order;
+    not of the sharded (FSDP2) ones, whose clipped sums ``clip_grads`` sums over the ranks
+    itself."""
     grads = []
     for p in _trainable(model):
+        if is_sharded(p):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
@@ -182,7 +187,12 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean",
     (``loss_type="mean"``) or sum over all ranks' samples, as one process would get on the
     concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`),
     then one all-reduce of the clipped sums and the batch sizes. Returns the local (unclipped)
-    norms ``[B_local]``."""
+    norms ``[B_local]``.
+
+    On an FSDP2 (``fully_shard``) model each rank's ``p.grad`` becomes its shard of that
+    gradient: :func:`per_sample_hooks.clip_grads` already sums each layer's clipped sum over
+    the ranks (one all-reduce per layer, over the parameters' device mesh, not ``group``) as
+    it writes it; here one more all-reduce gives the global batch size."""
     return clip_and_reduce(model, max_norm, loss_type, group)[0]
 
 

@@ -30,7 +30,9 @@ from torch import Tensor, nn
 
 from . import distributed
 from .edges import OutputEdges
+from .errors import PerSampleHooksError
 from .norms import check_max_norm, clip_grads
+from .sharded import like, sharded_parameters
 from .step import LossType
 
 Sampling = Literal["poisson", "fixed"]
@@ -120,8 +122,9 @@ class DPSGD:
         self.generator = generator
         self.steps = 0
         self.output_edges = OutputEdges(model, form_on_arrival=True)
-        self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
-        if self.distributed:
+        self.ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self.distributed = self.ddp or bool(sharded_parameters(model))  # DDP or FSDP2
+        if self.ddp:
             distributed.skip_gradient_allreduce(model)
 
     @property
@@ -151,7 +154,7 @@ class DPSGD:
         (:mod:`per_sample_hooks.unseen`: the first, every new captured structure, a sample of
         the rest) and under DDP (whose reducer expects every parameter's gradient; its
         all-reduce is off), an ordinary ``loss.backward()``."""
-        if self.distributed:
+        if self.ddp:
             self.output_edges.clear()
             loss.backward()
             return
@@ -165,6 +168,11 @@ class DPSGD:
         """Replace ``p.grad`` by the noisy clipped mean; return the (unclipped) per-sample norms.
 
         The norms are not private: log them only when that is acceptable."""
+        if empty_batch and self.distributed and not self.ddp:
+            raise PerSampleHooksError(
+                "DPSGD.step(empty_batch=True) on an FSDP2 (fully_shard) model: every rank must "
+                "run the forward and backward of its local batch (an empty one as a [0, ...] "
+                "tensor) and step(), whose clipped sums are summed over the ranks layer by layer")
         if empty_batch:
             norms, actual = torch.zeros(0), 0
             for p in self._parameters():
@@ -198,8 +206,9 @@ class DPSGD:
         """One Gaussian draw per parameter from ``generator`` (under DDP: on rank 0, broadcast)."""
         if self.distributed:
             device = params[0].device if params else torch.device("cpu")
-            return distributed.broadcast_noise([(p.shape, p.dtype) for p in params], std,
-                                               self.generator, device)
+            noises = distributed.broadcast_noise([(p.shape, p.dtype) for p in params], std,
+                                                 self.generator, device)
+            return [like(n, p) for n, p in zip(noises, params)]  # FSDP2: this rank's shard
         return [torch.normal(0.0, std, p.shape, generator=self.generator, dtype=p.dtype,
                              device=p.device if self.generator is None
                              else self.generator.device) for p in params]

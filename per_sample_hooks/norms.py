@@ -20,6 +20,7 @@ from . import forms
 from .capture import HookState
 from .errors import PerSampleHooksError
 from .rules.base import KeptGrads, contract_samples
+from .sharded import ShardedGrads, is_sharded
 from .step import (
     LayerWork,
     LossType,
@@ -70,8 +71,10 @@ def _per_parameter_squared(model: nn.Module, step: Step, keep: KeptGrads | None 
     result = {}
     for uses in shared.values():
         layer, local = uses[0]
+        p = layer.parameters[local]
         squared = forms.norms_squared(shared_forms(uses), step.batch_size) if any(
-            w.calls for w, _ in uses) else layer.parameters[local].new_zeros(step.batch_size)
+            w.calls for w, _ in uses) else torch.zeros(step.batch_size, dtype=p.dtype,
+                                                      device=p.device)
         result[names[id(layer)][local]] = squared.mul_(step.scale * step.scale)
     for layer in step.layers:
         own = [n for n, p in layer.parameters.items() if id(p) not in shared]
@@ -134,8 +137,8 @@ def _empty_batch_norms(model: nn.Module, step: Step, per_param: bool
                        ) -> Tensor | dict[str, Tensor]:
     """Norms of an empty batch: ``[0]`` tensors (per parameter with ``per_param``)."""
     names = parameter_names(model, step)
-    empty = {names[id(layer)][local]: p.new_zeros(0) for layer in step.layers
-             for local, p in layer.parameters.items()}
+    empty = {names[id(layer)][local]: torch.zeros(0, dtype=p.dtype, device=p.device)
+             for layer in step.layers for local, p in layer.parameters.items()}
     if per_param:
         return empty
     return next(iter(empty.values()), torch.zeros(0))
@@ -188,7 +191,9 @@ def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
     covered = {id(p) for layer in step.layers for p in layer.parameters.values()}
     for layer in step.layers:
         for local, p in layer.parameters.items():
-            if not layer.calls and p.grad is not None and bool(p.grad.any()):
+            # a sharded p.grad (FSDP2) holds the other ranks' gradients too: not checked
+            if not layer.calls and p.grad is not None and not is_sharded(p) \
+                    and bool(p.grad.any()):
                 raise PerSampleHooksError(
                     f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero gradient "
                     "but its module's output did not reach the loss in this step: either the "
@@ -275,10 +280,14 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     max_norm = check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
+    # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written
+    grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
+                         step.batch_size, loss_type == "mean", _grad_target)
     if step.batch_size == 0:  # the sum over no sample: zero gradients
         for layer in step.layers:
             for p in layer.parameters.values():
-                _grad_target(p).zero_()
+                grads.target(p).zero_()
+            grads.publish(layer.parameters.values())
         return _empty_batch_norms(model, step, per_param=False)
     # records released as soon as a layer's per-sample gradients are all kept; only when the
     # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
@@ -298,27 +307,29 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     coefficients = clipping_coefficients(norms, max_norm)
     for uses in shared.values():  # before any of their modules' records are released
         layer, local = uses[0]
-        target, parts = _grad_target(layer.parameters[local]), shared_forms(uses)
+        target, parts = grads.target(layer.parameters[local]), shared_forms(uses)
         if parts:
             forms.weighted_sum(target, parts, coefficients)
         else:
             target.zero_()
+        grads.publish([layer.parameters[local]])
     layers = step.layers
     if release_records:  # the largest new p.grad last, when the fewest records are left
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     for layer in layers:
         if layer.parameters and not layer.calls:
             for p in layer.parameters.values():
-                if p.grad is not None and id(p) not in shared:
-                    p.grad.zero_()
+                if (p.grad is not None or is_sharded(p)) and id(p) not in shared:
+                    grads.target(p).zero_()
         elif _fully_kept(layer, keep):
             for name, p in layer.parameters.items():
-                contract_samples(_grad_target(p), keep.get(layer.module, name), coefficients)
+                contract_samples(grads.target(p), keep.get(layer.module, name), coefficients)
         elif layer.parameters:
-            out = {name: _grad_target(p) for name, p in layer.parameters.items()
+            out = {name: grads.target(p) for name, p in layer.parameters.items()
                    if id(p) not in shared}
             if out:
                 layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
+        grads.publish(p for p in layer.parameters.values() if id(p) not in shared)
         if release_records:
             for call in layer.calls:
                 call.release()

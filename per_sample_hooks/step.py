@@ -21,6 +21,7 @@ from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
+from .sharded import is_sharded
 from .unseen import N_PROBES, HookedSums
 
 LossType = Literal["mean", "sum"]
@@ -109,6 +110,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                                     owned_parameters(state, module)))
             continue
         rule.check(module, calls, name)
+        refuse_sharded_values(module, name, rule)
         dtype = parameter_dtype(module)
         with_grads = []
         for call in calls:
@@ -199,6 +201,31 @@ def check_compares(state: HookState) -> bool:
     return state.unseen is not None and bool(state.unseen.totals)
 
 
+def refuse_sharded_values(module: nn.Module, name: str, rule: Rule) -> None:
+    """A rule that reads parameter values cannot run on FSDP2 shards (full only in forward)."""
+    if rule.needs_parameter_values and any(is_sharded(p) for p in module.parameters()):
+        raise PerSampleHooksError(
+            f"'{name}' ({type(module).__name__}) is sharded by FSDP2 (fully_shard) and its rule "
+            f"({type(rule).__name__}) reads its parameters' values, which FSDP2 holds in full "
+            "only during the forward and backward. Supported on sharded models: Linear, "
+            "convolutions, Embedding, normalization layers; leave this module out of "
+            "fully_shard (ignored_params) or use DistributedDataParallel")
+
+
+def refuse_sharded_check(step: Step) -> None:
+    """The unseen-use check compares autograd's gradient of each parameter with the hooked sum;
+    FSDP2 hands autograd's gradient to its unsharded copy, not to the (DTensor) parameter the
+    check watches, so on a sharded model it would never run: refuse rather than pass unchecked."""
+    for layer in step.layers:
+        for local, p in layer.parameters.items():
+            if is_sharded(p):
+                raise PerSampleHooksError(
+                    f"parameter '{local}' of '{layer.name}' is sharded (FSDP2 fully_shard): the "
+                    "unseen-use check cannot see its gradient. Check the model once unsharded "
+                    "(one process, add_hooks(model) and any compute_* call), then hook the "
+                    "sharded model with add_hooks(model, check_unseen=False)")
+
+
 def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = None,
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
@@ -212,6 +239,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     check = state.unseen
     if check is None:
         return
+    refuse_sharded_check(step)
     check.schedule.step_measured()
     if not check.totals:
         return

@@ -1,0 +1,284 @@
+"""FSDP2 (``fully_shard``, parameters as DTensors sharded on dim 0) on CPU: gloo, 2 processes,
+loopback only (file rendezvous). Every rank's result equals the float64 per-sample loop on the
+concatenated (global) batch with the unsharded model.
+
+Models: Conv1d, Linear, LayerNorm with nested units (``fully_shard`` on submodules, then the
+root); Embedding, LayerNorm, Linear (a tagger). Rules that read parameter values (the torch.func
+fallback, attention, recurrent layers) are refused on sharded modules with a clear error.
+
+- ``compute_grad1`` and ``compute_norms``: each rank gets the rows of its own samples, full
+  shape (plain tensors);
+- ``clip_grads`` (and ``distributed.clip_grads``): each rank's ``p.grad`` is its shard (same
+  placements as ``p``) of the clipped mean (sum) over the global batch, FSDP2's own
+  reduce-scatter of the unclipped gradient overwritten; local batches of different sizes, an
+  empty one included; several SGD steps keep the sharded model equal to one process;
+- ``DPSGD`` (output-edge backward: FSDP2 reduces nothing): the same parameters as one process
+  running ``DPSGD`` on the global batch with the same noise;
+- KFAC factors of each shard averaged with ``all_reduce_kfac`` equal those of the global batch;
+- the unseen-use check (which cannot see FSDP2's gradients) is refused with a clear error.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from norms_truth import loop_clipped
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import loop_grads
+from per_sample_hooks.curvature import compute_kfac
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - older torch
+    pytest.skip("torch.distributed.fsdp.fully_shard (FSDP2) is not available",
+                allow_module_level=True)
+
+WORLD = 2
+STEP_SHARDS = [(3, 5), (0, 4), (5, 2)]  # local batch sizes per step: uneven, one rank empty
+MAX_NORM = 0.05  # small enough that most samples are clipped
+LR = 0.5
+
+
+class Gate(nn.Module):
+    """A layer with no rule: per-sample gradients from the torch.func fallback."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(self.weight) + torch.sin(x * self.weight)
+
+
+def make_net(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(3 * 6, 5), nn.LayerNorm(5), nn.Linear(5, 2)).to(dtype)
+
+
+def make_tagger(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(5, 3), nn.LayerNorm(3), nn.Linear(3, 2)).to(dtype)
+
+
+def shard_model(model: nn.Module, units: list[int]) -> nn.Module:
+    """``fully_shard`` on ``model[i]`` for each of ``units`` (nested units), then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for i in units:
+        fsdp.fully_shard(model[i], mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    return model
+
+
+MODELS = {"net": (make_net, [0, 3]), "tagger": (make_tagger, [0])}
+
+
+def make_pair(kind: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, nn.Module]:
+    """The unsharded reference and the same model sharded (both from the same seed)."""
+    make, units = MODELS[kind]
+    return make(dtype), shard_model(make(dtype), units)
+
+
+def global_batch(kind: str, step: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    size = sum(STEP_SHARDS[step])
+    if kind == "tagger":
+        return torch.randint(0, 5, (size, 4), generator=generator)
+    return torch.randn(size, 2, 6, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def weighted_square(output: torch.Tensor) -> torch.Tensor:
+    """Per-sample losses ``[B]`` (an empty batch too)."""
+    flat = output.flatten(1)
+    weights = torch.linspace(-1.0, 2.0, flat.shape[1], dtype=flat.dtype)
+    return (flat.pow(2) * weights + flat * weights.flip(0)).sum(1)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, loss_type: str) -> torch.Tensor:
+    values = weighted_square(model(x))
+    return values.mean() if loss_type == "mean" else values.sum()
+
+
+def shard(x: torch.Tensor, rank: int, step: int = 0) -> torch.Tensor:
+    sizes = STEP_SHARDS[step]
+    start = sum(sizes[:rank])
+    return x[start:start + sizes[rank]]
+
+
+def dim0_shard(full: torch.Tensor, rank: int) -> torch.Tensor:
+    """FSDP2's ``Shard(0)``: rows ``[r * ceil(n / W), (r + 1) * ceil(n / W))``."""
+    size = math.ceil(full.shape[0] / WORLD)
+    return full[rank * size:(rank + 1) * size]
+
+
+def check_close(got, expected, what: str, dtype: torch.dtype = torch.float64) -> None:
+    tolerances = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else \
+        dict(rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(got.to(expected.dtype), expected, **tolerances,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_sharded_grad(p: torch.Tensor, expected: torch.Tensor, rank: int, what: str,
+                       dtype: torch.dtype = torch.float64) -> None:
+    """``p.grad`` is a DTensor laid out like ``p`` holding this rank's rows of ``expected``."""
+    assert isinstance(p.grad, type(p)) and p.grad.placements == p.placements, what
+    check_close(p.grad.to_local(), dim0_shard(expected, rank), f"{what} (local shard)", dtype)
+
+
+def loop_truth(model: nn.Module, x: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Per-sample gradients and total norms of the global batch: float64 loop, unsharded."""
+    model = model.double()
+    x = x if not x.is_floating_point() else x.double()
+    grads = loop_grads(model, [x], weighted_square, len(x))
+    return grads, torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+
+
+def per_sample_and_clipping(rank: int, kind: str, dtype: torch.dtype) -> None:
+    """grad1, norms, clip_grads after an ordinary backward (FSDP2's reduce-scatter runs)."""
+    reference, model = make_pair(kind, dtype)
+    x = global_batch(kind, 0, dtype)
+    grads, norms = loop_truth(reference, x)
+    expected = loop_clipped(grads, norms, MAX_NORM, "mean")
+    assert bool((norms > MAX_NORM).any()), "no sample clipped: the test proves little"
+    with psh.add_hooks(model, check_unseen=False):
+        loss_of(model, shard(x, rank), "mean").backward()
+        check_close(psh.compute_norms(model), shard(norms, rank), f"rank {rank} norms", dtype)
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            assert not isinstance(p.grad1, type(p)), "grad1 should be a plain tensor"
+            check_close(p.grad1, shard(grads[n], rank), f"rank {rank} {kind} grad1 {n}", dtype)
+        returned = psh.clip_grads(model, MAX_NORM)
+        check_close(returned, shard(norms, rank), f"rank {rank} clip_grads norms", dtype)
+        for n, p in model.named_parameters():
+            check_sharded_grad(p, expected[n], rank, f"rank {rank} {kind} clipped {n}", dtype)
+            check_close(p.grad.full_tensor(), expected[n], f"rank {rank} full {n}", dtype)
+
+
+def clipping_steps(rank: int, kind: str, loss_type: str) -> None:
+    """distributed.clip_grads and SGD over steps with uneven (one empty) local batches."""
+    reference, model = make_pair(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with psh.add_hooks(model, check_unseen=False):
+        for step in range(len(STEP_SHARDS)):
+            x = global_batch(kind, step)
+            grads, total = loop_truth(reference, x)
+            expected = loop_clipped(grads, total, MAX_NORM, loss_type)
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, shard(x, rank, step), loss_type).backward()  # maybe empty
+            norms = psh.distributed.clip_grads(model, MAX_NORM, loss_type)
+            check_close(norms, shard(total, rank, step), f"rank {rank} step {step} norms")
+            for n, p in model.named_parameters():
+                check_sharded_grad(p, expected[n], rank, f"rank {rank} step {step} {n}")
+            opt.step()
+            with torch.no_grad():
+                for n, q in reference.named_parameters():
+                    q.sub_(LR * expected[n])
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        check_close(p.full_tensor().detach(), q.detach(), f"rank {rank} parameters {n}")
+
+
+def dpsgd_matches_one_process(rank: int, kind: str, loss_type: str) -> None:
+    """DPSGD on the sharded model (per rank: half the dataset, half the expected batch) vs
+    DPSGD in one process on the global batch; rank 0's generator is the one process's."""
+    reference, model = make_pair(kind)
+    options = dict(noise_multiplier=0.7, max_grad_norm=MAX_NORM, loss_type=loss_type,
+                   accountant=None)
+    one = psh.DPSGD(reference, torch.optim.SGD(reference.parameters(), lr=LR), dataset_size=16,
+                    batch_size=8, generator=torch.Generator().manual_seed(7), **options)
+    with psh.add_hooks(reference), psh.add_hooks(model, check_unseen=False):
+        mine = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=LR), dataset_size=8,
+                         batch_size=4, generator=torch.Generator().manual_seed(7 + 50 * rank),
+                         **options)
+        assert mine.distributed
+        for step in range(len(STEP_SHARDS)):
+            x = global_batch(kind, step)
+            one.zero_grad()
+            one.backward(loss_of(reference, x, loss_type))
+            one.step()
+            mine.zero_grad()
+            mine.backward(loss_of(model, shard(x, rank, step), loss_type))  # maybe empty
+            mine.step()
+            for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+                check_close(p.to_local().detach(), dim0_shard(q.detach(), rank),
+                            f"rank {rank} {kind} DPSGD step {step} {n}")
+        with pytest.raises(psh.PerSampleHooksError, match="empty_batch"):
+            mine.step(empty_batch=True)
+    one.close()
+    mine.close()
+
+
+def kfac_matches_one_process(rank: int, kind: str) -> None:
+    reference, model = make_pair(kind)
+    x = global_batch(kind, 0)
+    with psh.add_hooks(reference), psh.add_hooks(model, check_unseen=False):
+        loss_of(reference, x, "mean").backward()
+        expected = [t.clone() for t in compute_kfac(reference).tensors()]
+        mine = shard(x, rank)
+        loss_of(model, mine, "mean").backward()
+        factors = compute_kfac(model)
+        psh.distributed.all_reduce_kfac(factors, batch_size=len(mine))
+        got = factors.tensors()
+        assert len(got) == len(expected) > 0
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            check_close(g, e, f"rank {rank} {kind} KFAC tensor {i}")
+
+
+def refusals(rank: int) -> None:
+    """The unseen-use check, and a rule that reads parameter values, on a sharded model."""
+    _, model = make_pair("tagger")
+    with psh.add_hooks(model):
+        loss_of(model, shard(global_batch("tagger", 0), rank), "mean").backward()
+        with pytest.raises(psh.PerSampleHooksError, match="check_unseen=False"):
+            psh.compute_norms(model)
+    torch.manual_seed(0)
+    gated = shard_model(nn.Sequential(nn.Linear(2, 3), Gate(3)).double(), [])
+    with psh.add_hooks(gated, check_unseen=False):
+        gated(torch.randn(3, 2, dtype=torch.float64)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="'1' \\(Gate\\).*reads its parameters"):
+            psh.clip_grads(gated, MAX_NORM)
+
+
+def worker(rank: int, init_file: str, errors: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        for kind in MODELS:
+            per_sample_and_clipping(rank, kind, torch.float64)
+            kfac_matches_one_process(rank, kind)
+            for loss_type in ("mean", "sum"):
+                clipping_steps(rank, kind, loss_type)
+            dpsgd_matches_one_process(rank, kind, "mean")
+        per_sample_and_clipping(rank, "net", torch.float32)
+        dpsgd_matches_one_process(rank, "net", "sum")
+        refusals(rank)
+        dist.barrier()  # both ranks done before the teardown: gloo aborts on a peer gone early
+    except BaseException:
+        with open(f"{errors}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown (see test_distributed.worker)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only")
+def test_fsdp2_two_processes_match_one_process(tmp_path):
+    init_file, errors = str(tmp_path / "rendezvous"), str(tmp_path / "errors")
+    try:
+        mp.spawn(worker, args=(init_file, errors), nprocs=WORLD, join=True)
+    except Exception as error:  # noqa: BLE001 - show the workers' own tracebacks
+        reports = [open(f"{errors}.{r}").read() for r in range(WORLD)
+                   if os.path.exists(f"{errors}.{r}")]
+        pytest.fail("\n".join(reports) or str(error))
