@@ -44,7 +44,32 @@ each; ``gloo`` on CPU, ``nccl`` on GPUs)::
     ddp = DistributedDataParallel(model)            # device_ids=[LOCAL_RANK] on GPUs
     ... the loop above ...
 
-On one machine ``torchrun --standalone --nproc_per_node=2 train.py``. The tests
+**FSDP2** (``torch.distributed.fsdp.fully_shard``: each parameter a DTensor sharded on dim 0,
+full only inside the forward and backward). Hook the sharded model with
+``add_hooks(model, check_unseen=False)`` (the unseen-use check cannot see FSDP2's gradients:
+run it once on the unsharded model). Per-sample gradients, norms and KFAC factors are plain
+full-shape tensors of each rank's own samples, as under DDP (KFAC: :func:`all_reduce_kfac`).
+``clip_grads`` (this module's or :func:`per_sample_hooks.clip_grads`) leaves each rank's
+``p.grad`` as its shard of the clipped mean over the global batch: each layer's clipped sum is
+summed over the mesh (one all-reduce per layer, the full gradient of one layer at a time) and
+cut to the shard. FSDP2's own reduce-scatter of the unclipped gradient is wasted work that is
+overwritten; ``DPSGD`` avoids it with its output-edge backward (no parameter gradient, so FSDP2
+reduces nothing; measured in ``benchmarks/distributed.py``). ``set_requires_gradient_sync(False)``
+is not the way: FSDP2 then keeps the full unsharded gradients between steps. Layers whose rule
+reads the parameter values (the torch.func fallback, attention, recurrent layers) are refused
+on sharded modules: pass their parameters to ``fully_shard(..., ignored_params=...)`` (kept
+whole on every rank, their clipped sums all-reduced here). Every rank runs every step's
+forward, backward and ``clip_grads`` (which communicates), an empty local batch included::
+
+    mesh = init_device_mesh("cpu", (world_size,))          # "cuda" on GPUs
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    psh.add_hooks(model, check_unseen=False)
+    dp = psh.DPSGD(model, optimizer, ..., dataset_size=len(my_shard), batch_size=per_rank)
+
+On one machine ``torchrun --standalone --nproc_per_node=2 train.py``;
+``examples/dp_distributed.py`` is such a script (``--fsdp`` for FSDP2). The tests
 (``tests/test_distributed.py``) start 2 processes with ``torch.multiprocessing`` and a file
 rendezvous instead, loopback only.
 """

@@ -97,6 +97,11 @@ class DPSGD:
     broadcast, so every rank steps with the same gradient. Every rank runs the forward,
     backward and ``step()`` of every step, an empty local batch included (a ``[0, ...]``
     tensor): DDP needs all ranks in each forward, ``step`` in each all-reduce.
+
+    With an FSDP2 (``fully_shard``) model, the same, except that the backward is the output-edge
+    one (no parameter gradient: FSDP2 reduces nothing), each layer's clipped sum is summed over
+    the ranks into the shards of ``p.grad``, and the noise (drawn on rank 0, broadcast) is cut
+    to each rank's shard (:mod:`per_sample_hooks.distributed`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,

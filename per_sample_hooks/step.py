@@ -208,8 +208,10 @@ def refuse_sharded_values(module: nn.Module, name: str, rule: Rule) -> None:
             f"'{name}' ({type(module).__name__}) is sharded by FSDP2 (fully_shard) and its rule "
             f"({type(rule).__name__}) reads its parameters' values, which FSDP2 holds in full "
             "only during the forward and backward. Supported on sharded models: Linear, "
-            "convolutions, Embedding, normalization layers; leave this module out of "
-            "fully_shard (ignored_params) or use DistributedDataParallel")
+            "convolutions, Embedding, normalization layers. Leave this module's parameters "
+            "out of the sharding (fully_shard(..., ignored_params=...): per_sample_hooks."
+            "distributed.clip_grads all-reduces their clipped sums) or use "
+            "DistributedDataParallel")
 
 
 def refuse_sharded_check(step: Step) -> None:
