@@ -259,6 +259,20 @@ def _grad_target(p: nn.Parameter) -> Tensor:
     return g
 
 
+def _write_zeros(layers: list[LayerWork], shared: dict, grads: ShardedGrads) -> None:
+    """The clipped sum of an empty batch, zeros, written (and published) in the order of
+    :func:`clip_grads`'s: parameters of several modules first, then layer by layer."""
+    for uses in shared.values():
+        layer, local = uses[0]
+        grads.target(layer.parameters[local]).zero_()
+        grads.publish([layer.parameters[local]])
+    for layer in layers:
+        own = [p for p in layer.parameters.values() if id(p) not in shared]
+        for p in own:
+            grads.target(p).zero_()
+        grads.publish(own)
+
+
 @torch.no_grad()
 def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", *,
                release_records: bool = False) -> Tensor:
@@ -280,14 +294,16 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     max_norm = check_max_norm(max_norm, "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
-    # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written
+    # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
+    # in an order that every rank follows (an empty batch's too)
     grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
                          step.batch_size, loss_type == "mean", _grad_target)
+    shared = shared_parameters(step)
+    layers = step.layers
+    if release_records:  # the largest new p.grad last, when the fewest records are left
+        layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     if step.batch_size == 0:  # the sum over no sample: zero gradients
-        for layer in step.layers:
-            for p in layer.parameters.values():
-                grads.target(p).zero_()
-            grads.publish(layer.parameters.values())
+        _write_zeros(layers, shared, grads)
         return _empty_batch_norms(model, step, per_param=False)
     # records released as soon as a layer's per-sample gradients are all kept; only when the
     # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
@@ -296,7 +312,6 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     if release_records:
         state.release_records("clip_grads(release_records=True)")
     keep = _kept_grads(state, step, per_layer=early)
-    shared = shared_parameters(step)
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep,
                     shared=shared) if early else None
     squared = _per_parameter_squared(model, step, keep, after)
@@ -313,9 +328,6 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
         else:
             target.zero_()
         grads.publish([layer.parameters[local]])
-    layers = step.layers
-    if release_records:  # the largest new p.grad last, when the fewest records are left
-        layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     for layer in layers:
         if layer.parameters and not layer.calls:
             for p in layer.parameters.values():

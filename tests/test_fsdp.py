@@ -72,6 +72,14 @@ def make_tagger(dtype: torch.dtype = torch.float64) -> nn.Module:
     return nn.Sequential(nn.Embedding(5, 3), nn.LayerNorm(3), nn.Linear(3, 2)).to(dtype)
 
 
+def make_tied(dtype: torch.dtype = torch.float64) -> nn.Module:
+    """Input and output embeddings tied: one parameter of two modules (one FSDP2 unit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.LayerNorm(3), nn.Linear(3, 5, bias=False))
+    model[2].weight = model[0].weight
+    return model.to(dtype)
+
+
 def make_gated(dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 4), Gate(4), nn.Linear(4, 2)).to(dtype)
@@ -91,7 +99,7 @@ def shard_model(model: nn.Module, units: list[int], ignored: int | None = None) 
 
 # kind: (builder, nested units, module left unsharded: a rule that reads parameter values)
 MODELS = {"net": (make_net, [0, 3], None), "tagger": (make_tagger, [0], None),
-          "gated": (make_gated, [1], 2)}
+          "gated": (make_gated, [1], 2), "tied": (make_tied, [], None)}
 
 
 def make_pair(kind: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, nn.Module]:
@@ -103,7 +111,7 @@ def make_pair(kind: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module,
 def global_batch(kind: str, step: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + step)
     size = sum(STEP_SHARDS[step])
-    if kind == "tagger":
+    if kind in ("tagger", "tied"):
         return torch.randint(0, 5, (size, 4), generator=generator)
     return torch.randn(size, 2, 6, generator=generator, dtype=torch.float64).to(dtype)
 
@@ -186,7 +194,11 @@ def clipping_steps(rank: int, kind: str, loss_type: str) -> None:
             expected = loop_clipped(grads, total, MAX_NORM, loss_type)
             opt.zero_grad(set_to_none=True)
             loss_of(model, shard(x, rank, step), loss_type).backward()  # maybe empty
-            norms = psh.distributed.clip_grads(model, MAX_NORM, loss_type)
+            if kind == "gated" or loss_type == "mean":
+                norms = psh.distributed.clip_grads(model, MAX_NORM, loss_type)
+            else:  # all sharded: clip_grads alone sums over the ranks (records released in
+                # another order: an empty rank's zeros must be published in the same one)
+                norms = psh.clip_grads(model, MAX_NORM, loss_type, release_records=True)
             check_close(norms, shard(total, rank, step), f"rank {rank} step {step} norms")
             for n, p in model.named_parameters():
                 if isinstance(p, DTensor):
@@ -272,6 +284,7 @@ def worker(rank: int, init_file: str, errors: str) -> None:
         for kind in MODELS:
             if kind != "gated":
                 per_sample_and_clipping(rank, kind, torch.float64)
+            if kind in ("net", "tagger"):
                 kfac_matches_one_process(rank, kind)
             for loss_type in ("mean", "sum"):
                 clipping_steps(rank, kind, loss_type)
@@ -300,3 +313,34 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
         reports = [open(f"{errors}.{r}").read() for r in range(WORLD)
                    if os.path.exists(f"{errors}.{r}")]
         pytest.fail("\n".join(reports) or str(error))
+
+
+def run_recipe(*options: str) -> str:
+    """``torchrun --standalone --nproc_per_node=2 examples/dp_distributed.py`` (README's recipe),
+    one epoch; its output."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={WORLD}", os.path.join(root, "examples", "dp_distributed.py"),
+               "--epochs", "1", *options]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(sys.platform == "win32", reason="torchrun's standalone rendezvous")
+def test_torchrun_recipes_ddp_and_fsdp2_train_alike():
+    """The README's torchrun commands run, and DDP and FSDP2 take the same steps (the same
+    sampling and noise; the sums over ranks differ in rounding only)."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("opacus")
+    outputs = [run_recipe(), run_recipe("--fsdp")]
+    checksums = []
+    for out in outputs:
+        assert "epoch 1: test accuracy" in out and "epsilon" in out, out
+        checksums.append(float(out.rsplit("parameter checksum", 1)[1].split()[0]))
+    assert checksums[0] == pytest.approx(checksums[1], rel=1e-5, abs=1e-5), outputs
