@@ -11,7 +11,11 @@ process; DDP on 2; FSDP2 on 2, each Linear its own unit inside the root's) two s
 - ``dp``: ``DPSGD`` (noise multiplier 1.0, ``check_unseen=False`` everywhere): forward,
   ``DPSGD.backward`` (output edges; DDP: an ordinary backward with its all-reduce switched
   off), ``DPSGD.step`` (clipping, the sum over ranks, noise drawn on rank 0 and broadcast);
-- ``dp0``: the same with noise multiplier 0 (no noise drawn or broadcast).
+- ``dp0``: the same with noise multiplier 0 (no noise drawn or broadcast);
+- ``clip``: forward, ``loss.backward()``, ``distributed.clip_grads`` (one process:
+  ``clip_grads``), ``SGD.step``: DDP with its all-reduce switched off
+  (``skip_gradient_allreduce``), FSDP2 with its reduce-scatter of the unclipped gradient
+  running (overwritten): against ``dp0``, what the output-edge backward saves.
 
 Time: median over ``--rounds`` interleaved rounds (plain, dp, plain, dp, ...) of the step
 time, each step started after a barrier and timed as the slowest rank's; the ratio is to the
@@ -41,7 +45,7 @@ from benchmarks.harness import reset_peak, status_kib
 
 WORLD = 2
 CONFIGS = ("one", "ddp", "fsdp")
-METHODS = ("plain", "dp", "dp0")  # timed; memory: plain and dp
+METHODS = ("plain", "clip", "dp", "dp0")  # timed; memory: plain, clip and dp
 
 
 def mlp() -> nn.Sequential:
@@ -81,6 +85,17 @@ def make_step(config: str, method: str, batch: int, rank: int):
             optimizer.step()
         return plain
     psh.add_hooks(model, check_unseen=False)
+    if method == "clip":
+        if config == "ddp":
+            psh.distributed.skip_gradient_allreduce(model)
+        clip = psh.clip_grads if config == "one" else psh.distributed.clip_grads
+
+        def clipped() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(x), y).backward()
+            clip(model, 1.0)
+            optimizer.step()
+        return clipped
     dp = psh.DPSGD(model, optimizer, noise_multiplier=0.0 if method == "dp0" else 1.0,
                    max_grad_norm=1.0,
                    dataset_size=100 * len(x), batch_size=len(x), accountant=None,
@@ -144,6 +159,8 @@ def run(rank: int, config: str, task: str, batch: int, rounds: int, init_file: s
     finally:
         if distributed:
             dist.destroy_process_group()
+    if distributed:  # no interpreter teardown: a gloo thread still joinable there aborts
+        os._exit(0)  # (SIGABRT, as in tests/test_distributed.py); results are already sent
 
 
 def measure(config: str, task: str, batch: int, rounds: int) -> dict:
@@ -163,7 +180,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(CHILD_MALLOC)
     times = {c: measure(c, "time", args.batch, args.rounds) for c in CONFIGS}
-    memory = {c: {m: measure(c, m, args.batch, 0)[m] for m in ("plain", "dp")}
+    memory = {c: {m: measure(c, m, args.batch, 0)[m] for m in ("plain", "clip", "dp")}
               for c in CONFIGS}
     reference = times["one"]["dp"]
     print(f"MLP 784-512-512-10, global batch {args.batch}, {WORLD} processes for DDP/FSDP2, "

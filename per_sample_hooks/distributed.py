@@ -236,7 +236,9 @@ def broadcast_noise(shapes: list[tuple[torch.Size, torch.dtype]], std: float,
         noises = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     if not noises:
         return noises
-    flat = torch.cat([n.reshape(-1).double() for n in noises])
+    dtypes = {n.dtype for n in noises}  # one broadcast, in float64 only for mixed dtypes
+    common = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    flat = torch.cat([n.reshape(-1).to(common) for n in noises])
     dist.broadcast(flat, src=src, group=group)
     offset, out = 0, []
     for n in noises:
