@@ -302,7 +302,8 @@ class HookState:
     ``observed``: modules captured even when none of their parameters is trainable (the others
     capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
     ``(module, call) -> batch size`` of a call (raises when it cannot tell).
-    Written outside this file: ``enabled`` (pausing capture), ``unseen`` and ``broadcast``
+    Written outside this file: ``enabled`` (pausing capture), ``unseen``, ``sharded_of`` and
+    ``broadcast``
     (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``watchers`` and ``on_capture``
     (add-ons' callbacks).
 
@@ -328,6 +329,9 @@ class HookState:
         self.storage = Buffers()
         self.enabled = True
         self.unseen: Any = None  # the unseen-use check; opaque to capture
+        # id(full stand-in) -> the FSDP2-sharded parameter it stands in for, during a compute_*
+        # call that gives the modules whose rules read parameter values their full values
+        self.sharded_of: dict[int, Tensor] = {}
         self.broadcast = True  # expand calls of batch 1 to the step's batch
         # step status, changed through end_step / release_records / the hooks
         self.consumed = False  # a compute_* call ended the step: the next forward starts anew

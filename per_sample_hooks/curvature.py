@@ -107,7 +107,7 @@ from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares
 from .rules.base import Rule, split_passes
 from .rules.formed import FormedRule
-from .sharded import full_zeros
+from .sharded import full_zeros, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -363,6 +363,7 @@ def _kronecker_structure(rule: Rule) -> Literal["outer", "rows"] | None:
     return "rows" if rule.one_hot_rows else None
 
 
+@with_full_values
 @torch.no_grad()
 def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossType = "mean", *,
                  unsupported: KFACUnsupported = "diagonal") -> KFACFactors:

@@ -56,10 +56,15 @@ cut to the shard. FSDP2's own reduce-scatter of the unclipped gradient is wasted
 overwritten; ``DPSGD`` avoids it with its output-edge backward (no parameter gradient, so FSDP2
 reduces nothing; measured in ``benchmarks/distributed.py``). ``set_requires_gradient_sync(False)``
 is not the way: FSDP2 then keeps the full unsharded gradients between steps. Layers whose rule
-reads the parameter values (the torch.func fallback, attention, recurrent layers) are refused
-on sharded modules: pass their parameters to ``fully_shard(..., ignored_params=...)`` (kept
-whole on every rank, their clipped sums all-reduced here). Every rank runs every step's
-forward, backward and ``clip_grads`` (which communicates), an empty local batch included::
+reads the parameter values (the torch.func fallback, attention, recurrent layers) get them
+all-gathered by ``compute_grad1``, ``compute_norms``, ``clip_grads`` and ``compute_kfac`` for
+the length of the call (:func:`per_sample_hooks.sharded.with_full_values`; the other
+``compute_*`` refuse them), as long as ``fully_shard`` was applied to a module containing
+them (their transformer block), not to them: FSDP2's hooks would spoil the re-run (refused
+with a clear error). Parameters left out of the sharding (``ignored_params``) are whole on
+every rank; their clipped sums are all-reduced here. Every rank runs every step's forward,
+backward and ``clip_grads`` (which communicates), and, with such layers, every
+``compute_*`` call, an empty local batch included::
 
     mesh = init_device_mesh("cpu", (world_size,))          # "cuda" on GPUs
     for block in model.blocks:

@@ -20,7 +20,7 @@ from . import forms
 from .capture import HookState
 from .errors import PerSampleHooksError
 from .rules.base import KeptGrads, contract_samples
-from .sharded import ShardedGrads, is_sharded
+from .sharded import ShardedGrads, is_sharded, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -109,6 +109,7 @@ def _check_finite(norms: Tensor, squared: dict[str, Tensor], caller: str) -> Non
         "those inputs and the loss (overflow, log of zero, NaN in the data)")
 
 
+@with_full_values
 @torch.no_grad()
 def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False
                   ) -> Tensor | dict[str, Tensor]:
@@ -273,6 +274,7 @@ def _write_zeros(layers: list[LayerWork], shared: dict, grads: ShardedGrads) -> 
         grads.publish(own)
 
 
+@with_full_values
 @torch.no_grad()
 def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", *,
                release_records: bool = False) -> Tensor:

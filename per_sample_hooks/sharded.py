@@ -11,26 +11,38 @@ clipped sum of :func:`~per_sample_hooks.clip_grads`) meets the DTensor: the grad
 sharded parameter can only be the shard of the global batch's gradient, so it is summed over
 the ranks of the mesh and cut to this rank's shard (:class:`ShardedGrads`), one parameter
 group (one layer) at a time, so that no rank holds the full gradient of the whole model.
+Rules that read parameter values (a re-run of the layer) get the full parameters for the
+length of a ``compute_*`` call (:func:`with_full_values`).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .capture import STATE_ATTRIBUTE, HookState, unwrap
 from .errors import PerSampleHooksError
 
-try:  # torch.distributed may be built without DTensor support
+try:  # torch.distributed may be built without DTensor support or FSDP2
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None
+    DTensor = FSDPModule = None
 
 
 def is_sharded(p: Tensor) -> bool:
     """Whether ``p`` is a DTensor (a parameter of an FSDP2 ``fully_shard`` module)."""
     return DTensor is not None and isinstance(p, DTensor)
+
+
+def contains_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` or a descendant is an FSDP2 unit (``fully_shard`` was applied to it):
+    calling it runs FSDP2's hooks, which swap in their own unsharded parameters."""
+    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -64,6 +76,54 @@ def like(full: Tensor, p: Tensor) -> Tensor:
     if not is_sharded(p):
         return full
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def _value_readers(state: HookState) -> dict[int, tuple[Tensor, list[tuple[nn.Module, str]]]]:
+    """``id(p) -> (p, [(owner, name), ...])`` for every sharded parameter of a hooked module
+    whose rule reads parameter values (a unit's descendants' too), in hooked order."""
+    found: dict[int, tuple[Tensor, list[tuple[nn.Module, str]]]] = {}
+    for module in state.modules:
+        rule = state.rules.get(module)
+        if not getattr(rule, "needs_parameter_values", False):
+            continue
+        for owner in module.modules() if module in state.units else [module]:
+            for name, p in owner._parameters.items():
+                if p is not None and is_sharded(p):
+                    found.setdefault(id(p), (p, []))[1].append((owner, name))
+    return found
+
+
+Verb = TypeVar("Verb", bound=Callable)
+
+
+def with_full_values(verb: Verb) -> Verb:
+    """Decorator of a ``compute_*`` function whose first argument is the model: on an FSDP2
+    model, each hooked module whose rule reads parameter values (the torch.func fallback,
+    attention, recurrent layers) holds its full parameters for the length of the call, as in
+    its forward: all-gathered (every rank, in hooked order: every rank must make the call,
+    an empty local batch included), swapped in, swapped back. The step still sees the sharded
+    parameters (``HookState.sharded_of``), so gradients are written to their shards."""
+    @functools.wraps(verb)
+    def call(model: nn.Module, *args, **kwargs):
+        state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
+        readers = _value_readers(state) if state is not None and DTensor is not None else {}
+        if not readers:
+            return verb(model, *args, **kwargs)
+        with torch.no_grad():
+            stand_ins = {key: nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                         for key, (p, _) in readers.items()}
+        for key, (p, owners) in readers.items():
+            state.sharded_of[id(stand_ins[key])] = p
+            for owner, name in owners:  # setattr: nn.RNN's flat weights follow
+                setattr(owner, name, stand_ins[key])
+        try:
+            return verb(model, *args, **kwargs)
+        finally:
+            for p, owners in readers.values():
+                for owner, name in owners:
+                    setattr(owner, name, p)
+            state.sharded_of.clear()
+    return call
 
 
 class ShardedGrads:
@@ -130,4 +190,4 @@ class ShardedGrads:
 
 
 __all__ = ["is_sharded", "sharded_parameters", "ShardedGrads", "full_zeros", "like",
-           "local_shard", "mesh_all_reduce"]
+           "local_shard", "mesh_all_reduce", "with_full_values"]

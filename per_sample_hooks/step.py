@@ -21,7 +21,7 @@ from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
-from .sharded import is_sharded
+from .sharded import contains_fsdp_unit, is_sharded
 from .unseen import N_PROBES, HookedSums
 
 LossType = Literal["mean", "sum"]
@@ -33,8 +33,12 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def owned_parameters(state: HookState, module: nn.Module) -> dict[str, nn.Parameter]:
-    """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too)."""
-    return unit_parameters(module) if module in state.units else trainable_parameters(module)
+    """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too);
+    the sharded ones where full stand-ins hold their place (``sharded.with_full_values``)."""
+    params = unit_parameters(module) if module in state.units else trainable_parameters(module)
+    if state.sharded_of:
+        params = {n: state.sharded_of.get(id(p), p) for n, p in params.items()}
+    return params
 
 
 @dataclass
@@ -110,7 +114,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                                     owned_parameters(state, module)))
             continue
         rule.check(module, calls, name)
-        refuse_sharded_values(module, name, rule)
+        refuse_sharded_values(module, name, rule, caller)
         dtype = parameter_dtype(module)
         with_grads = []
         for call in calls:
@@ -175,6 +179,8 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
         return
     params = owned_parameters(state, module)
     rule = state.rules[module]
+    if rule.needs_parameter_values and any(is_sharded(p) for p in module.parameters()):
+        return  # FSDP2 shards: formed by the compute_* call, which gathers the values
     held = call.grads[0][0].numel() + sum(a.numel() for a in call.args if isinstance(a, Tensor))
     batch = rule.batch_size(module, call)
     if not params or batch == 0 or \
@@ -201,16 +207,25 @@ def check_compares(state: HookState) -> bool:
     return state.unseen is not None and bool(state.unseen.totals)
 
 
-def refuse_sharded_values(module: nn.Module, name: str, rule: Rule) -> None:
-    """A rule that reads parameter values cannot run on FSDP2 shards (full only in forward)."""
-    if rule.needs_parameter_values and any(is_sharded(p) for p in module.parameters()):
+def refuse_sharded_values(module: nn.Module, name: str, rule: Rule, caller: str) -> None:
+    """A rule that reads parameter values cannot run on FSDP2 shards (full only in forward)
+    outside the calls that gather them (``sharded.with_full_values``)."""
+    if not rule.needs_parameter_values:
+        return
+    if contains_fsdp_unit(module):
         raise PerSampleHooksError(
-            f"'{name}' ({type(module).__name__}) is sharded by FSDP2 (fully_shard) and its rule "
-            f"({type(rule).__name__}) reads its parameters' values, which FSDP2 holds in full "
-            "only during the forward and backward. Supported on sharded models: Linear, "
-            "convolutions, Embedding, normalization layers. Leave this module's parameters "
-            "out of the sharding (fully_shard(..., ignored_params=...): per_sample_hooks."
-            "distributed.clip_grads all-reduces their clipped sums) or use "
+            f"{caller}: '{name}' ({type(module).__name__}) is, or contains, an FSDP2 unit "
+            f"(fully_shard was applied to it) and its rule ({type(rule).__name__}) re-runs or "
+            "reads it: FSDP2's hooks would replace the parameters the rule differentiates. "
+            "Apply fully_shard to a module that contains it (e.g. its transformer block) "
+            "instead, or leave its parameters out of the sharding (ignored_params)")
+    if any(is_sharded(p) for p in module.parameters()):
+        raise PerSampleHooksError(
+            f"{caller}: '{name}' ({type(module).__name__}) is sharded by FSDP2 (fully_shard) "
+            f"and its rule ({type(rule).__name__}) reads its parameters' values, which FSDP2 "
+            "holds in full only during the forward and backward; compute_grad1, compute_norms, "
+            f"clip_grads and compute_kfac gather them, {caller} does not. Leave this module's "
+            "parameters out of the sharding (fully_shard(..., ignored_params=...)) or use "
             "DistributedDataParallel")
 
 

@@ -3,10 +3,12 @@ loopback only (file rendezvous). Every rank's result equals the float64 per-samp
 concatenated (global) batch with the unsharded model.
 
 Models: Conv1d, Linear, LayerNorm with nested units (``fully_shard`` on submodules, then the
-root); Embedding, LayerNorm, Linear (a tagger). Rules that read parameter values (the torch.func
-fallback, attention, recurrent layers) are refused on sharded modules with a clear error, and
-work with their module's parameters left out of the sharding (``ignored_params``: a model
-whose layer with no rule is replicated, its clipped sum all-reduced by distributed.clip_grads).
+root); Embedding, LayerNorm, Linear (a tagger); input and output embeddings tied; Embedding then
+a block (its own unit) of attention, a GRU and a layer with no rule (torch.func fallback): rules
+that read parameter values, which the compute_* calls gather; a layer with no rule left out of
+the sharding (``ignored_params``: replicated, its clipped sum all-reduced by
+``distributed.clip_grads``). Refused with a clear error: such a rule on a module that is itself
+an FSDP2 unit, and on a call that does not gather the values.
 
 - ``compute_grad1`` and ``compute_norms``: each rank gets the rows of its own samples, full
   shape (plain tensors);
@@ -37,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 import per_sample_hooks as psh
 from ground_truth import loop_grads
-from per_sample_hooks.curvature import compute_kfac
+from per_sample_hooks.curvature import compute_fisher_diag, compute_kfac
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - older torch
@@ -67,6 +69,36 @@ def make_net(dtype: torch.dtype = torch.float64) -> nn.Module:
                          nn.Linear(3 * 6, 5), nn.LayerNorm(5), nn.Linear(5, 2)).to(dtype)
 
 
+class Block(nn.Module):
+    """Attention, a GRU and a layer with no rule: rules that read the parameter values."""
+
+    def __init__(self):
+        super().__init__()
+        self.attend = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.recur = nn.GRU(4, 4, batch_first=True)
+        self.gate = Gate(4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mixed, _ = self.attend(h, h, h, need_weights=False)
+        return self.gate(self.recur(mixed + h)[0])
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.block = Block()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens)))
+
+
+def make_mixer(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return Mixer().to(dtype)
+
+
 def make_tagger(dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Embedding(5, 3), nn.LayerNorm(3), nn.Linear(3, 2)).to(dtype)
@@ -85,21 +117,23 @@ def make_gated(dtype: torch.dtype = torch.float64) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 4), Gate(4), nn.Linear(4, 2)).to(dtype)
 
 
-def shard_model(model: nn.Module, units: list[int], ignored: int | None = None) -> nn.Module:
-    """``fully_shard`` on ``model[i]`` for each of ``units`` (nested units), then the root;
-    ``model[ignored]``'s parameters left unsharded (``ignored_params``)."""
+def shard_model(model: nn.Module, units: list[str], ignored: str | None = None) -> nn.Module:
+    """``fully_shard`` on each submodule named in ``units`` (nested units), then the root;
+    the parameters of the one named ``ignored`` left unsharded (``ignored_params``)."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (WORLD,))
-    for i in units:
-        fsdp.fully_shard(model[i], mesh=mesh)
-    kept = set(model[ignored].parameters()) if ignored is not None else None
+    for name in units:
+        fsdp.fully_shard(model.get_submodule(name), mesh=mesh)
+    kept = set(model.get_submodule(ignored).parameters()) if ignored is not None else None
     fsdp.fully_shard(model, mesh=mesh, ignored_params=kept)
     return model
 
 
-# kind: (builder, nested units, module left unsharded: a rule that reads parameter values)
-MODELS = {"net": (make_net, [0, 3], None), "tagger": (make_tagger, [0], None),
-          "gated": (make_gated, [1], 2), "tied": (make_tied, [], None)}
+# kind: (builder, nested units, a module left unsharded)
+MODELS = {"net": (make_net, ["0", "3"], None), "tagger": (make_tagger, ["0"], None),
+          "mixer": (make_mixer, ["block"], None), "tied": (make_tied, [], None),
+          "gated": (make_gated, ["1"], "2")}
+TOKENS = ("tagger", "tied", "mixer")  # kinds whose input is token ids
 
 
 def make_pair(kind: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, nn.Module]:
@@ -111,7 +145,7 @@ def make_pair(kind: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module,
 def global_batch(kind: str, step: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + step)
     size = sum(STEP_SHARDS[step])
-    if kind in ("tagger", "tied"):
+    if kind in TOKENS:
         return torch.randint(0, 5, (size, 4), generator=generator)
     return torch.randn(size, 2, 6, generator=generator, dtype=torch.float64).to(dtype)
 
@@ -268,12 +302,16 @@ def refusals(rank: int) -> None:
         loss_of(model, shard(global_batch("tagger", 0), rank), "mean").backward()
         with pytest.raises(psh.PerSampleHooksError, match="check_unseen=False"):
             psh.compute_norms(model)
-    torch.manual_seed(0)
-    gated = shard_model(nn.Sequential(nn.Linear(2, 3), Gate(3)).double(), [])
-    with psh.add_hooks(gated, check_unseen=False):
-        gated(torch.randn(3, 2, dtype=torch.float64)).sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match="'1' .Gate.* reads its parameters"):
-            psh.clip_grads(gated, MAX_NORM)
+    for units, refused in (([], compute_fisher_diag), (["1"], psh.compute_norms)):
+        torch.manual_seed(0)  # Gate in the root's unit (clip_grads gathers its parameters,
+        # compute_fisher_diag does not), then its own unit (whose hooks would spoil the re-run)
+        gated = shard_model(nn.Sequential(nn.Linear(2, 3), Gate(3)).double(), units)
+        with psh.add_hooks(gated, check_unseen=False):
+            gated(torch.randn(3, 2, dtype=torch.float64)).sum().backward()
+            if not units:
+                psh.clip_grads(gated, MAX_NORM)
+            with pytest.raises(psh.PerSampleHooksError, match="'1' .(FSDP)?Gate."):
+                refused(gated)
 
 
 def worker(rank: int, init_file: str, errors: str) -> None:
@@ -284,7 +322,7 @@ def worker(rank: int, init_file: str, errors: str) -> None:
         for kind in MODELS:
             if kind != "gated":
                 per_sample_and_clipping(rank, kind, torch.float64)
-            if kind in ("net", "tagger"):
+            if kind in ("net", "tagger", "mixer"):
                 kfac_matches_one_process(rank, kind)
             for loss_type in ("mean", "sum"):
                 clipping_steps(rank, kind, loss_type)
