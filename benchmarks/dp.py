@@ -9,7 +9,7 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
 
 - ``plain``: the ordinary step (the reference of every ratio).
 - ``psh norms``: per_sample_hooks ``compute_norms`` after the backward (no clipping).
-- ``psh clip``: per_sample_hooks ``clip_grads`` (max_norm 1) after the ordinary backward.
+- ``psh clip``: per_sample_hooks ``clip_grads`` (max_grad_norm 1) after the ordinary backward.
 - ``psh clip outputs-bwd``: the backward asks autograd for the hooked layers' output gradients
   only (``OutputEdges(model, form_on_arrival=True).backward``, what ``DPSGD.backward`` does),
   skipping the parameter gradients that ``clip_grads`` rebuilds clipped
@@ -20,6 +20,13 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
   steps the check does not run on (the memory run's 3 steps include the checked first one).
 - ``psh norms outputs-bwd``: the same backward, then ``compute_norms`` (norms when the
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
+- ``psh DPSGD noise 0`` / ``psh DPSGD noise 1``: ``DPSGD`` (no accountant) with noise
+  multiplier 0 and 1: ``dp.zero_grad(); dp.backward(loss); dp.step()`` (the Gaussian draw is
+  the difference; drawn ahead on a background thread, the default).
+- ``psh DPSGD noise 1 at step``: the same with ``noise_ahead=False``: the noise drawn in
+  ``step()``.
+- ``psh DPSGD noise only``: ``dp.step(empty_batch=True)`` with noise multiplier 1, no forward
+  or backward: the draw, zero gradients and the SGD step (the cost of the noise alone).
 - ``opacus hooks+clip``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (noise 0): per-sample
   gradients materialized, clipped, summed.
 - ``opacus ghost``: ``GradSampleModuleFastGradientClipping`` + ``DPLossFastGradientClipping``:
@@ -58,7 +65,8 @@ from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 
 MAX_NORM = 1.0
 METHODS = ["plain", "psh norms", "psh norms outputs-bwd", "psh clip", "psh clip outputs-bwd",
-           "psh clip outputs-bwd no check",
+           "psh clip outputs-bwd no check", "psh DPSGD noise 0", "psh DPSGD noise 1",
+           "psh DPSGD noise 1 at step", "psh DPSGD noise only",
            "opacus hooks+clip",
            "opacus ghost",
            "backpack L2", "func vmap"]
@@ -139,7 +147,7 @@ CASES = {"mlp": "MLP 784-512-512-10, B=128", "cnn": "CNN of seed 001, B=64",
 
 # ---------------------------------------------------------------- one step per method
 
-def _plain(model, x, y):
+def plain_step(model, x, y):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
@@ -178,6 +186,21 @@ def _psh_outputs_backward(model, x, y, clip: bool, check: bool = True):
         else:
             psh.compute_norms(model)
         optimizer.step()
+    return step
+
+
+def _psh_dpsgd(model, x, y, noise: float, empty: bool = False, ahead: bool = True):
+    psh.add_hooks(model)
+    dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=noise,
+                   max_grad_norm=MAX_NORM, dataset_size=10 * len(x), batch_size=len(x),
+                   accountant=None, generator=torch.Generator().manual_seed(0),
+                   noise_ahead=ahead)
+
+    def step():
+        dp.zero_grad()
+        if not empty:
+            dp.backward(F.cross_entropy(model(x), y))
+        dp.step(empty_batch=empty)
     return step
 
 
@@ -252,13 +275,17 @@ def _func_vmap(model, x, y):
 
 
 BUILDERS: dict[str, Callable] = {
-    "plain": _plain,
+    "plain": plain_step,
     "psh norms": lambda m, x, y: _psh(m, x, y, clip=False),
     "psh clip": lambda m, x, y: _psh(m, x, y, clip=True),
     "psh norms outputs-bwd": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=False),
     "psh clip outputs-bwd": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=True),
     "psh clip outputs-bwd no check": lambda m, x, y: _psh_outputs_backward(m, x, y, clip=True,
                                                                            check=False),
+    "psh DPSGD noise 0": lambda m, x, y: _psh_dpsgd(m, x, y, 0.0),
+    "psh DPSGD noise 1": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0),
+    "psh DPSGD noise 1 at step": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0, ahead=False),
+    "psh DPSGD noise only": lambda m, x, y: _psh_dpsgd(m, x, y, 1.0, empty=True),
     "opacus hooks+clip": _opacus_hooks,
     "opacus ghost": _opacus_ghost,
     "backpack L2": _backpack,

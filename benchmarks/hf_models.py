@@ -75,8 +75,6 @@ import per_sample_hooks as psh  # noqa: E402
 from benchmarks.dp import CHILD_MALLOC, MEMORY_REPEATS  # noqa: E402
 from benchmarks.harness import compare, peak_memory, print_table  # noqa: E402
 
-BATCH, LENGTH, VOCAB, HIDDEN, LAYERS, HEADS, MLP = 16, 64, 1000, 128, 2, 4, 512
-IMAGE, PATCH, CLASSES = 32, 4, 10
 MAX_NORM = 1.0
 METHODS = ["plain", "psh grad1", "psh grad1 outputs-bwd", "torch.func", "psh clip", "psh DPSGD",
            "opacus hooks+clip", "opacus ghost"]
@@ -90,6 +88,25 @@ CHECK_TOLERANCE = 1e-4  # float32: a correct method is at ~1e-6
 
 # ---------------------------------------------------------------- models and batches
 
+@dataclass(frozen=True)
+class Sizes:
+    """The models' and batches' sizes (the defaults: the CPU tables; ``benchmarks.gpu`` runs
+    GPT-2-small sizes)."""
+    batch: int = 16
+    length: int = 64
+    vocab: int = 1000
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    mlp: int = 512
+    image: int = 32
+    patch: int = 4
+    classes: int = 10
+
+
+SIZES = Sizes()
+
+
 @dataclass
 class Case:
     """A model and one batch: ``inputs`` are the keyword arguments of the model's call (with
@@ -100,53 +117,66 @@ class Case:
     language_model: bool
 
 
-def _language_batch(workarounds: bool) -> dict[str, Tensor]:
-    ids = torch.randint(VOCAB, (BATCH, LENGTH))
+def _language_batch(workarounds: bool, s: Sizes) -> dict[str, Tensor]:
+    ids = torch.randint(s.vocab, (s.batch, s.length))
     inputs = {"input_ids": ids, "labels": ids}
     if workarounds:  # GPT-2 builds position_ids [1, T] by default
-        inputs["position_ids"] = torch.arange(LENGTH).repeat(BATCH, 1)
+        inputs["position_ids"] = torch.arange(s.length).repeat(s.batch, 1)
     return inputs
 
 
-def make_case(name: str, workarounds: bool = False, attention: str = "sdpa") -> Case:
-    """The named model (random init, seed 0) and its batch; ``workarounds``: untied output
-    layers and GPT-2's ``position_ids`` passed as ``[B, T]`` (what Opacus needs);
-    ``attention``: transformers' ``attn_implementation``."""
+def make_case(name: str, workarounds: bool = False, attention: str = "sdpa",
+              sizes: Sizes = SIZES) -> Case:
+    """The named model (random init, seed 0) and its batch, on the default device;
+    ``workarounds``: untied output layers and GPT-2's ``position_ids`` passed as ``[B, T]``
+    (what Opacus needs); ``attention``: transformers' ``attn_implementation``."""
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
+    s = sizes
     if name == "gpt2":
         config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=LENGTH, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-            n_inner=MLP, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-            eos_token_id=0, tie_word_embeddings=not workarounds, attn_implementation=attention)
-        return Case(transformers.GPT2LMHeadModel(config), _language_batch(workarounds), True)
+            vocab_size=s.vocab, n_positions=s.length, n_embd=s.hidden, n_layer=s.layers,
+            n_head=s.heads, n_inner=s.mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=0, eos_token_id=0, tie_word_embeddings=not workarounds,
+            attn_implementation=attention)
+        return Case(transformers.GPT2LMHeadModel(config), _language_batch(workarounds, s), True)
     if name == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
-            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
-            max_position_embeddings=LENGTH, tie_word_embeddings=not workarounds,
-            attn_implementation=attention)
-        return Case(transformers.LlamaForCausalLM(config), _language_batch(False), True)
+            vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.mlp,
+            num_hidden_layers=s.layers, num_attention_heads=s.heads,
+            num_key_value_heads=s.heads // 2, max_position_embeddings=s.length,
+            tie_word_embeddings=not workarounds, attn_implementation=attention)
+        return Case(transformers.LlamaForCausalLM(config), _language_batch(False, s), True)
     if name == "vit":
         config = transformers.ViTConfig(
-            hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-            intermediate_size=MLP, image_size=IMAGE, patch_size=PATCH, num_channels=3,
-            num_labels=CLASSES, attn_implementation=attention)
-        inputs = {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE),
-                  "labels": torch.randint(CLASSES, (BATCH,))}
+            hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+            intermediate_size=s.mlp, image_size=s.image, patch_size=s.patch, num_channels=3,
+            num_labels=s.classes, attn_implementation=attention)
+        inputs = {"pixel_values": torch.randn(s.batch, 3, s.image, s.image),
+                  "labels": torch.randint(s.classes, (s.batch,))}
         return Case(transformers.ViTForImageClassification(config), inputs, False)
     raise ValueError(f"unknown model {name!r}")
 
 
-CASES = {
-    "gpt2": f"GPT2LMHeadModel ({{tying}}), vocab {VOCAB}, d={HIDDEN}, {LAYERS} layers, T={LENGTH}, "
-            f"B={BATCH}",
-    "llama": f"LlamaForCausalLM ({{tying}}, {HEADS} heads / {HEADS // 2} kv heads), vocab {VOCAB}, "
-             f"d={HIDDEN}, {LAYERS} layers, T={LENGTH}, B={BATCH}",
-    "vit": f"ViTForImageClassification, {IMAGE}x{IMAGE} / {PATCH}x{PATCH} patches "
-           f"({(IMAGE // PATCH) ** 2} + cls), d={HIDDEN}, {LAYERS} layers, B={BATCH}",
-}
+def describe(name: str, tying: str, s: Sizes = SIZES) -> str:
+    """The table title of a case."""
+    return {
+        "gpt2": f"GPT2LMHeadModel ({tying}), vocab {s.vocab}, d={s.hidden}, {s.layers} layers, "
+                f"T={s.length}, B={s.batch}",
+        "llama": f"LlamaForCausalLM ({tying}, {s.heads} heads / {s.heads // 2} kv heads), vocab "
+                 f"{s.vocab}, d={s.hidden}, {s.layers} layers, T={s.length}, B={s.batch}",
+        "vit": f"ViTForImageClassification, {s.image}x{s.image} / {s.patch}x{s.patch} patches "
+               f"({(s.image // s.patch) ** 2} + cls), d={s.hidden}, {s.layers} layers, "
+               f"B={s.batch}",
+    }[name]
+
+
+CASES = ["gpt2", "llama", "vit"]
+
+
+def _batch_size(inputs: dict[str, Tensor]) -> int:
+    return len(next(iter(inputs.values())))
 
 
 # ---------------------------------------------------------------- one step per method
@@ -198,8 +228,9 @@ def _psh_grad1_outputs_backward(model, inputs, language_model, lr, max_norm) -> 
 
 def _psh_dpsgd(model, inputs, language_model, lr, max_norm, check: bool = True) -> Step:
     psh.add_hooks(model, check_unseen=check)
+    batch = _batch_size(inputs)
     dp = psh.DPSGD(model, _sgd(model, lr), noise_multiplier=0.0, max_grad_norm=max_norm,
-                   dataset_size=100 * BATCH, batch_size=BATCH, sampling="fixed",
+                   dataset_size=100 * batch, batch_size=batch, sampling="fixed",
                    accountant=None)
 
     def step():
@@ -214,7 +245,7 @@ def _opacus_hooks(model, inputs, language_model, lr, max_norm) -> Step:
     from opacus.optimizers import DPOptimizer
     wrapped = GradSampleModule(model)
     optimizer = DPOptimizer(_sgd(wrapped, lr), noise_multiplier=0.0, max_grad_norm=max_norm,
-                            expected_batch_size=BATCH)
+                            expected_batch_size=_batch_size(inputs))
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -236,17 +267,18 @@ def _opacus_ghost(model, inputs, language_model, lr, max_norm) -> Step:
                                                    use_ghost_clipping=True)
     optimizer = DPOptimizerFastGradientClipping(
         _sgd(wrapped, lr), noise_multiplier=0.0, max_grad_norm=max_norm,
-        expected_batch_size=BATCH)
+        expected_batch_size=_batch_size(inputs))
     criterion = DPLossFastGradientClipping(wrapped, optimizer, nn.CrossEntropyLoss())
     model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
     labels = inputs["labels"]
+    shape = (len(labels), labels.shape[-1] - 1)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         logits = wrapped(**model_inputs).logits
         if language_model:  # position t predicts token t + 1
             loss = criterion(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                             labels[:, 1:].reshape(-1), shape=(BATCH, LENGTH - 1))
+                             labels[:, 1:].reshape(-1), shape=shape)
         else:
             loss = criterion(logits, labels)
         loss.backward()
@@ -407,7 +439,7 @@ def run_case(name: str, methods: list[str], rounds: int, with_memory: bool, thre
     reports = memory(name, measured, threads, options) if with_memory else {}
     extra = {"__header__": f"{'peak MiB':>8} {'x plain':>7}  check vs torch.func"}
     extra.update({m: f"{_memory_column(reports, m)}  {checks[m]}" for m in steps})
-    title = CASES[name].format(tying="untied" if options["workarounds"] else "tied")
+    title = describe(name, "untied" if options["workarounds"] else "tied")
     print_table(results, "plain", f"\n## {title}  ({threads} thread(s))", extra)
     for method, error in failures.items():
         print(f"{method:<22} fails: {error}")

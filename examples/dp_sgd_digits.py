@@ -58,10 +58,10 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: this model is too small for more to help)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     x_train, x_test, y_train, y_test = load(args.seed)
     model = small_cnn()

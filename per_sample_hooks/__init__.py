@@ -1,5 +1,5 @@
 """per_sample_hooks: per-sample gradients and friends for unchanged ``nn.Module``s, via hooks."""
-from . import distributed, optim  # noqa: F401  (psh.distributed.*, psh.optim.KFAC)
+from . import clipping, distributed, dp, optim  # noqa: F401  (psh.clipping.*, psh.dp.*, ...)
 from .api import (
     add_hooks,
     clear_backprops,
@@ -34,7 +34,7 @@ from .rules.conv_transpose import (
 )
 from .rules.fallback import FallbackRule, Layout, register_layout
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "add_hooks", "remove_hooks", "disable_hooks", "enable_hooks", "is_supported",
@@ -45,6 +45,6 @@ __all__ = [
     "FallbackRule", "Layout", "register_layout", "Outer", "Rows", "Dense", "Unfolded",
 ]
 __all__ += ["compute_norms", "clip_grads", "DPSGD"]
-__all__ += ["optim", "batch_hessian"]
+__all__ += ["clipping", "dp", "distributed", "optim", "batch_hessian"]
 __all__ += ["backprop_hess", "compute_hess", "compute_kfac", "KFACFactors",
             "compute_fisher_diag", "compute_grad_variance", "compute_gram"]

@@ -36,10 +36,16 @@ class Call:
     ``watched[k]``: the gradients (one per backward pass) reaching the ``k``-th tensor *inside*
     the call's forward that an add-on asked to watch (:attr:`HookState.watchers`); ``note``:
     what that add-on recorded about the call (opaque here). Empty and None for most modules.
+
+    ``hooks``: weak references to the gradient hooks of the call's outputs (and watched
+    tensors). Autograd's graph holds those hooks: once all are gone, so is every graph through
+    the call's outputs, and a call that has received no gradient by then never will
+    (:attr:`unreachable`: a forward that no backward followed, e.g. evaluation with grad
+    enabled). Empty when unknown (under ``torch.compile``): never unreachable.
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "watched", "note", "__weakref__")
+                 "watched", "note", "hooks", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -55,10 +61,18 @@ class Call:
         self.per_sample: dict[str, Tensor] | None = None
         self.watched: list[list[Tensor]] = []
         self.note: object = None
+        self.hooks: list[weakref.ref] = []
 
     @property
     def has_grads(self) -> bool:
         return self.per_sample is not None or any(self.grads)
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether no gradient can reach this call any more: none has, and the autograd graphs
+        through its outputs are gone (see ``hooks``)."""
+        return (bool(self.hooks) and not self.has_grads and not any(self.watched)
+                and all(hook() is None for hook in self.hooks))
 
     @property
     def n_passes(self) -> int:
@@ -145,9 +159,10 @@ def _inside_torch_func(compiling: bool) -> bool:
 
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
-                     on_arrival: Callable[[], None] | None = None) -> None:
+                     on_arrival: Callable[[], None] | None = None) -> list[Callable]:
     """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); set
-    ``owner.backward_seen`` and call ``on_arrival()`` when one arrives.
+    ``owner.backward_seen`` and call ``on_arrival()`` when one arrives. Returns the hooks
+    registered (autograd's graph holds them, nothing else does: see :attr:`Call.hooks`).
 
     A tensor hook on ``leaf`` (not a pre-hook on ``leaf.grad_fn``: it also fires when ``leaf``
     is an ``inputs=`` edge of the backward, as ``dp.OutputEdges`` uses). It sees the
@@ -173,7 +188,7 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     leaf.register_hook(tensor_hook)
     base = gradient_tensor(leaf)
     if base is leaf:
-        return
+        return [tensor_hook]
     shape = leaf.shape
 
     def base_hook(grad: Tensor) -> None:
@@ -183,6 +198,7 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
         arrived(grad.reshape(shape))
 
     base.register_hook(base_hook)
+    return [tensor_hook, base_hook]
 
 
 def gradient_tensor(leaf: Tensor) -> Tensor:
@@ -340,6 +356,10 @@ class HookState:
         self.released_by: str | None = None  # the call that dropped this step's records
         self.step_batch: int | None = None  # the first batch size > 1 captured in this step
         self.handles: list[Any] = []
+        # how many captured hooks autograd freed since the last drop_unreachable (a weakref
+        # callback counts them: the records are scanned only after some graph went away)
+        self._graphs_freed = [0]
+        self._on_graph_freed = partial(_count_freed, self._graphs_freed)
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
         # called as on_gradient(module, call) after a gradient of a call's output is captured
         # (set for the length of a backward by an add-on)
@@ -402,9 +422,10 @@ class HookState:
         def arrived(call: Call = call) -> None:
             if self.on_gradient is not None:
                 self.on_gradient(owner, call)
+        hooks = []
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
-                capture_gradient(leaf, grads, self, arrived)
+                hooks += capture_gradient(leaf, grads, self, arrived)
                 for notify in self.on_capture:
                     notify(leaf)
         watcher = self.watchers.get(owner)
@@ -412,11 +433,22 @@ class HookState:
             tensors, call.note = watcher()
             for tensor in tensors:
                 call.watched.append([])
-                capture_gradient(tensor, call.watched[-1], self)
+                hooks += capture_gradient(tensor, call.watched[-1], self)
                 for notify in self.on_capture:
                     notify(tensor)
+        if not compiling:
+            call.hooks = [weakref.ref(hook, self._on_graph_freed) for hook in hooks]
+        if self._graphs_freed[0]:
+            self.drop_unreachable()
         self.calls[owner].append(call)
         return output
+
+    def drop_unreachable(self) -> None:
+        """Forget the calls no gradient can reach any more (:attr:`Call.unreachable`)."""
+        self._graphs_freed[0] = 0
+        for calls in self.calls.values():
+            if calls:
+                calls[:] = [c for c in calls if not c.unreachable]
 
     def captures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` is recorded: it has a trainable parameter (a unit: below
@@ -516,6 +548,10 @@ class ForwardHook:
         if self.state is not None:
             return self.state.forward_hook(self.owner, module, args, kwargs, output)
         return None
+
+
+def _count_freed(counter: list[int], _: weakref.ref) -> None:
+    counter[0] += 1
 
 
 def _no_state() -> None:

@@ -13,7 +13,9 @@ Two ways to fill the hooks, then one ``compute_*`` call::
     factors = compute_kfac(model)           # empirical-Fisher factors
 
 Notation: ``N`` samples, mean loss ``L = 1/N sum_i l_i`` (``loss_type="mean"``) or sum
-(``"sum"``, drop every ``1/N`` below), ``y_i`` the network output of sample i,
+(``"sum"``: drop the ``1/N`` of the seeds, of ``p.hess`` and of ``G`` below, which are then
+``N`` times the mean's; ``A`` is an average of the layer's inputs whatever the reduction and
+keeps its ``1/N``, as in curvlinops), ``y_i`` the network output of sample i,
 ``H_i = d^2 l_i / dy_i^2 = S_i S_i^T``. ``backprop_hess`` runs one backward pass per column
 ``k`` of ``S_i`` (the same ``k`` for every sample: batched, no loop over samples) seeded with
 ``S_i[:, k] / N``, the factor an ordinary backward of the mean loss puts on each sample's
@@ -71,23 +73,28 @@ position ``t``, with a constant 1 appended when the layer has a trainable bias.
   variance ``1/N sum_i (g_i - mean g)^2`` of the per-sample gradients;
   ``compute_gram``: ``K_ij = sum_k <J_ik, J_jk>`` over all parameters, ``[N, N]``.
 
-Conventions of other libraries (mean loss; ``x`` from their loss's square-root backprop):
+Conventions of other libraries (mean loss; ``x`` from their loss's square-root backprop;
+checked against BackPACK 1.7.1 and asdfghjkl 0.1a5 in ``docs/conventions.rst``):
 
-==================  ================================  ======================================
-library             Linear, 2-D input (T = 1)         Conv, T output positions
-==================  ================================  ======================================
-per_sample_hooks    A = 1/N sum a a^T                 expand: A = 1/(NT) sum_{i,t} a a^T,
-                    G = 1/N sum x x^T                   G = 1/N sum_{i,k,t} x x^T;
-                    bias: column of W (ones in a)     reduce: see above; groups: per group
-BackPACK KFAC,      A, G as ours; bias: own factor    A = 1/N sum_{i,t} a a^T (no 1/T),
-KFLR (extend())     [G] only. MSELoss(mean): 2/o x    G = 1/N sum_{i,k} (sum_t x)(sum_t x)^T
-                    ours (also averages outputs)      (reduce-style G): kron = T x our
-                                                      reduce when a is constant over t;
-                                                      groups > 1 and Linear [B, T, d]: no
-ASDL (asdfghjkl)    A = 1/N sum a a^T (ones           A = 1/(NT) sum_{i,t} a a^T,
-KFAC                appended), G = 1/N sum x x^T:     G = 1/N sum_{i,t} x x^T: our expand
-                    same as ours
-==================  ================================  ======================================
+==================  ==================================  ======================================
+library             Linear, 2-D input (T = 1)           Conv, T output positions
+==================  ==================================  ======================================
+per_sample_hooks    ``A = 1/N sum a a^T``,              expand: ``A = 1/(NT) sum_{i,t} a a^T``,
+                    ``G = 1/N sum x x^T``; bias: last   ``G = 1/N sum_{i,k,t} x x^T``; reduce:
+                    column of ``W`` (ones in ``a``)     see above; groups: one pair per group
+BackPACK KFAC,      ``A``, ``G`` as ours (``A`` of the  ``A = 1/N sum_{i,t} a a^T`` (no
+KFLR (extend())     weight only); bias: its own         ``1/T``), ``G`` as our reduce: kron is
+                    factor ``[G]``. ``MSELoss``         ``T`` times our reduce when ``a`` is
+                    (mean): ``2/o`` times ours (it      constant over ``t``; groups > 1 and
+                    also averages over outputs)         Linear ``[B, T, d]``: not supported
+ASDL (asdfghjkl     ``A = 1/N sum a a^T`` of the        ``A = 1/(NT) sum_{i,t} a a^T``,
+0.1a5) KFAC         weight only (no ones), ``G`` as     ``G = 1/N sum_{i,t} x x^T``: our expand
+                    ours; bias: ``G`` alone             (weight part of ``A``)
+curvlinops KFAC     as ours with                        expand and reduce as ours (``A``:
+(KFACLinear-        ``separate_weight_and_bias=False``  ``1/(NT)`` and mean of patches); its
+Operator)           (ones appended); by default the     ``A`` keeps ``1/N`` for a sum loss too
+                    bias is its own block ``[G]``
+==================  ==================================  ======================================
 """
 from __future__ import annotations
 
@@ -435,7 +442,8 @@ def _refusal(layer: LayerWork, rule: Rule, structure: str | None, lost: bool,
         why = ("its weight is frozen, and its trainable bias has no Kronecker factors of its "
                "own." if structure is not None else
                f"its rule {type(rule).__name__} gives no Kronecker structure (built in: "
-               "Linear, Conv1d/2d/3d, transformers' Conv1D, Embedding).")
+               "Linear, Conv1d/2d/3d, transformers' Conv1D, Embedding; not ConvTranspose, "
+               "whose parameters get the curvature diagonal).")
         choices = ("Pass unsupported='diagonal' (the default) for the curvature diagonal of "
                    "such layers, or unsupported='skip' to leave them out")
     return (f"compute_kfac: '{layer.name}': Kronecker factors are not available for "
@@ -483,8 +491,9 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
             continue
         out = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device)
                for n, p in layer.parameters.items()}
-        weights = torch.full((batch,), step.scale / max(batch, 1),
-                             dtype=next(iter(out.values())).dtype)
+        first = next(iter(out.values()))
+        weights = torch.full((batch,), step.scale / max(batch, 1), dtype=first.dtype,
+                             device=first.device)
         layer.rule.weighted_sum(layer.module, layer.calls, weights, out)
         for local, mean in out.items():
             name = names[id(layer)][local]

@@ -13,7 +13,7 @@ size::
     for x, y in loader:                             # each rank: its own shard
         optimizer.zero_grad(set_to_none=True)
         criterion(ddp(x), y).backward()             # local mean loss
-        psh.distributed.clip_grads(ddp, max_norm=1.0)   # clip locally, ONE all-reduce
+        psh.distributed.clip_grads(ddp, max_grad_norm=1.0)  # clip locally, ONE all-reduce
         optimizer.step()                            # every rank: the same gradient
 
 ``clip_grads`` leaves on every rank the clipped mean (or sum) over the global batch, exactly
@@ -88,6 +88,7 @@ from torch import Tensor, nn
 
 from .api import LossType
 from .capture import unwrap
+from .clipping import MaxGradNorm, threshold_argument
 from .curvature import KFACFactors
 from .errors import PerSampleHooksError
 from .norms import clip_grads as clip_grads_local
@@ -202,28 +203,32 @@ def trainable_grads(model: nn.Module) -> list[Tensor]:
 
 
 @torch.no_grad()
-def clip_and_reduce(model: nn.Module, max_norm: float, loss_type: LossType = "mean",
-                    group: dist.ProcessGroup | None = None) -> tuple[Tensor, int]:
-    """:func:`clip_grads`, also returning the global batch size."""
+def clip_and_reduce(model: nn.Module, max_grad_norm: MaxGradNorm, loss_type: LossType = "mean",
+                    group: dist.ProcessGroup | None = None, *,
+                    groups: Tensor | int | None = None) -> tuple[Tensor, int]:
+    """:func:`clip_grads`, also returning the global batch size (of groups, with ``groups``)."""
     _check_initialized("distributed.clip_grads")
-    norms = clip_grads_local(model, max_norm, loss_type)
+    norms = clip_grads_local(model, max_grad_norm, loss_type, groups=groups)
     total = reduce_clipped(trainable_grads(model), len(norms), loss_type, group)
     return norms, total
 
 
-def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean",
-               group: dist.ProcessGroup | None = None) -> Tensor:
+def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
+               loss_type: LossType = "mean", group: dist.ProcessGroup | None = None, *,
+               groups: Tensor | int | None = None, max_norm: float | None = None) -> Tensor:
     """DP clipping over the global batch: on every rank ``p.grad`` becomes the clipped mean
     (``loss_type="mean"``) or sum over all ranks' samples, as one process would get on the
-    concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`),
-    then one all-reduce of the clipped sums and the batch sizes. Returns the local (unclipped)
-    norms ``[B_local]``.
+    concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`,
+    whose ``max_grad_norm`` and ``groups`` this takes; ``max_norm`` is the deprecated name of
+    ``max_grad_norm``), then one all-reduce of the clipped sums and the batch sizes. Returns
+    the local (unclipped) norms ``[B_local]``.
 
     On an FSDP2 (``fully_shard``) model each rank's ``p.grad`` becomes its shard of that
     gradient: :func:`per_sample_hooks.clip_grads` already sums each layer's clipped sum over
     the ranks (one all-reduce per layer, over the parameters' device mesh, not ``group``) as
     it writes it; here one more all-reduce gives the global batch size."""
-    return clip_and_reduce(model, max_norm, loss_type, group)[0]
+    max_grad_norm = threshold_argument(max_grad_norm, max_norm, "distributed.clip_grads")
+    return clip_and_reduce(model, max_grad_norm, loss_type, group, groups=groups)[0]
 
 
 def broadcast_noise(shapes: list[tuple[torch.Size, torch.dtype]], std: float,

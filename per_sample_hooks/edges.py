@@ -7,6 +7,7 @@ need no parameter gradient. On the steps the unseen-use check runs, it is an ord
 """
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,9 @@ from .api import add_hooks
 from .capture import gradient_tensor
 from .errors import PerSampleHooksError
 from .step import form_on_arrival
+
+STALE_FACTOR = 4
+""":class:`OutputEdges` warns when it holds this many times the edges one backward used."""
 
 
 class OutputEdges:
@@ -45,6 +49,11 @@ class OutputEdges:
     contraction; the step then serves
     ``compute_grad1``, ``compute_norms``, ``clip_grads`` and the second moments, but not
     ``compute_kfac``, and only one backward pass of each forward.
+
+    The edges hold the autograd graphs of their forwards (and so the hooks' records of them)
+    until a backward, :meth:`take` or :meth:`clear` uses them: forwards with grad enabled that
+    no backward follows (an evaluation loop without ``torch.no_grad()``) accumulate. A warning
+    says so once the edges held reach :data:`STALE_FACTOR` times the most one backward used.
     """
 
     def __init__(self, model: nn.Module, *, form_on_arrival: bool = False):
@@ -52,6 +61,8 @@ class OutputEdges:
         self.edges: list[Any] = []
         self.form_on_arrival = form_on_arrival
         self._state = state
+        self._most_used = 0  # the most edges one backward (or take) used
+        self._warned = False
         state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
         state.on_capture.append(self._record)
 
@@ -64,6 +75,16 @@ class OutputEdges:
         """A tensor whose gradient the hooks capture (told by the capture hook, so only what
         is recorded: not a frozen module's output)."""
         self.edges.append(get_gradient_edge(gradient_tensor(tensor)))
+        if not self._warned and self._most_used and \
+                len(self.edges) >= STALE_FACTOR * self._most_used:
+            self._warned = True
+            warnings.warn(
+                f"OutputEdges holds {len(self.edges)} output edges of forwards that no backward "
+                f"used, {STALE_FACTOR}x what one backward used: forwards with grad enabled and "
+                "no backward (an evaluation loop?) keep their autograd graphs and the hooks' "
+                "captured inputs until the next backward. Run them under torch.no_grad(), or "
+                "drop them with DPSGD.zero_grad() / per_sample_hooks.clear_backprops(model)",
+                stacklevel=2)
 
     def check_due(self) -> bool:
         """Whether the unseen-use check runs on this step (it needs parameter gradients)."""
@@ -92,6 +113,7 @@ class OutputEdges:
         """The edges recorded since the last backward, forgotten here (for a backward of the
         caller's own, e.g. :func:`~per_sample_hooks.curvature.backprop_hess`'s passes)."""
         edges, self.edges = self.edges, []
+        self._most_used = max(self._most_used, len(edges))
         return edges
 
     def captured_passes(self) -> int:

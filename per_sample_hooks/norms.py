@@ -4,12 +4,10 @@ per-sample gradients (each rule picks its cheapest exact path; see ``forms/ghost
     add_hooks(model)
     loss = criterion(model(x), y)          # mean over the batch
     loss.backward()
-    norms = clip_grads(model, max_norm=1.0)  # p.grad <- (1/B) sum_i c_i g_i
+    norms = clip_grads(model, max_grad_norm=1.0)  # p.grad <- (1/B) sum_i c_i g_i
 """
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Container
 from functools import partial
 
@@ -18,7 +16,9 @@ from torch import Tensor, nn
 
 from . import forms
 from .capture import HookState
+from .clipping import MaxGradNorm, Thresholds, check_max_norm, threshold_argument, thresholds
 from .errors import PerSampleHooksError
+from .forms.groups import RowGroups, regroup, row_groups
 from .rules.base import KeptGrads, contract_samples
 from .sharded import ShardedGrads, is_sharded, with_full_values
 from .step import (
@@ -34,7 +34,7 @@ from .step import (
 )
 
 CLIP_EPSILON = 1e-6
-"""``c_i = min(1, max_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
+"""``c_i = min(1, max_grad_norm / (|g_i| + CLIP_EPSILON))``, as in Opacus."""
 
 KEEP_FRACTION = 0.25
 """``clip_grads`` keeps per-sample gradients that a rule materializes for the norms (so that the
@@ -48,37 +48,63 @@ the records."""
 
 
 def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None,
-                         names: list[str]) -> dict[str, Tensor]:
+                         names: list[str], rows: RowGroups | None = None) -> dict[str, Tensor]:
     if not names:
         return {}
     if not layer.calls:  # the module's output did not reach the loss
         p = next(iter(layer.parameters.values()))
-        zeros = torch.zeros(step.batch_size, dtype=p.dtype, device=p.device)
+        zeros = torch.zeros(step.batch_size if rows is None else rows.count, dtype=p.dtype,
+                            device=p.device)  # plain, also for a DTensor (FSDP2) parameter
         return dict.fromkeys(names, zeros)
+    if rows is not None:  # each group's gradient, the mean of its rows', from the forms
+        parts = layer.rule.forms(layer.module, layer.calls, names)
+        return {n: _grouped_norms_squared(parts[n], rows, step, keep, (layer.module, n))
+                for n in names}
     if keep is None:
         return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names)
     return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names, keep=keep)
 
 
+def _grouped_norms_squared(parts: list[forms.Form], rows: RowGroups, step: Step,
+                           keep: KeptGrads | None = None,
+                           key: tuple[nn.Module, str] | None = None) -> Tensor:
+    """``[count]``: squared norms of the groups' gradients (mean of their rows', scaled); where
+    that materializes them, into ``keep``'s buffer for ``key`` when granted (the groups'
+    gradients as captured, for the clipped sum)."""
+    grouped = [regroup(f, rows) for f in parts]
+    kept = keep.reserve(*key, rows.count) if keep is not None and forms.materializes(grouped) \
+        else None
+    if kept is None:
+        squared = forms.norms_squared(grouped, rows.count)
+    else:
+        forms.write(kept, grouped, 1.0)
+        squared = forms.sum_of_squares(kept)
+    return squared.mul_(step.scale * step.scale)
+
+
 def _per_parameter_squared(model: nn.Module, step: Step, keep: KeptGrads | None = None,
-                           after: Callable[[LayerWork], None] | None = None
-                           ) -> dict[str, Tensor]:
-    """``{qualified name: [B]}``. A parameter of several modules (tied embeddings) from the
-    sum of their forms, cross terms included; the others layer by layer (``after`` called on
-    each layer once its norms are taken)."""
+                           after: Callable[[LayerWork], None] | None = None,
+                           rows: RowGroups | None = None) -> dict[str, Tensor]:
+    """``{qualified name: [B]}`` (``[count]`` of ``rows``' groups). A parameter of several
+    modules (tied embeddings) from the sum of their forms, cross terms included; the others
+    layer by layer (``after`` called on each layer once its norms are taken)."""
     names = parameter_names(model, step)
     shared = shared_parameters(step)
+    batch = step.batch_size if rows is None else rows.count
     result = {}
     for uses in shared.values():
         layer, local = uses[0]
-        p = layer.parameters[local]
-        squared = forms.norms_squared(shared_forms(uses), step.batch_size) if any(
-            w.calls for w, _ in uses) else torch.zeros(step.batch_size, dtype=p.dtype,
-                                                      device=p.device)
-        result[names[id(layer)][local]] = squared.mul_(step.scale * step.scale)
+        if not any(w.calls for w, _ in uses):
+            p = layer.parameters[local]  # plain zeros, also for a DTensor (FSDP2) parameter
+            squared = torch.zeros(batch, dtype=p.dtype, device=p.device)
+        elif rows is not None:
+            squared = _grouped_norms_squared(shared_forms(uses), rows, step)
+        else:
+            squared = forms.norms_squared(shared_forms(uses), batch).mul_(step.scale ** 2)
+        result[names[id(layer)][local]] = squared
     for layer in step.layers:
         own = [n for n, p in layer.parameters.items() if id(p) not in shared]
-        squared = _layer_norms_squared(layer, step, keep, own)
+        squared = _layer_norms_squared(layer, step, keep, own, rows)
         for local in own:
             result[names[id(layer)][local]] = squared[local]
         if after is not None:
@@ -111,23 +137,27 @@ def _check_finite(norms: Tensor, squared: dict[str, Tensor], caller: str) -> Non
 
 @with_full_values
 @torch.no_grad()
-def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False
-                  ) -> Tensor | dict[str, Tensor]:
+def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False, *,
+                  groups: Tensor | int | None = None) -> Tensor | dict[str, Tensor]:
     """After one backward: the L2 norm of each sample's gradient, ``[B]``.
 
     Exactly the norms of what :func:`compute_grad1` would give (all trainable parameters of
     hooked modules together), without materializing per-sample gradients where a cheaper exact
     path exists. With ``per_param=True``: ``{parameter name: [B]}``, names as in
     ``model.named_parameters()``. Raises if a norm is not finite, naming the samples.
+
+    ``groups``: the norms of groups of rows instead, ``[count]``, each group's gradient the
+    mean of its rows' (see :func:`clip_grads`).
     """
     state, step = prepare_step(model, loss_type, "compute_norms")
+    rows = None if groups is None else row_groups(groups, step.batch_size, "compute_norms")
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
     # on a checked step the check reads again what the norms materialized; else nothing does
-    keep = _kept_grads(state, step) if check_compares(state) else None
-    squared = _per_parameter_squared(model, step, keep)
+    keep = _kept_grads(state, step) if check_compares(state) and rows is None else None
+    squared = _per_parameter_squared(model, step, keep, rows=rows)
     check_unseen_uses(state, step, keep)
-    norms = _total(squared, step.batch_size)
+    norms = _total(squared, step.batch_size if rows is None else rows.count)
     _check_finite(norms, squared, "compute_norms")
     if per_param:
         return {n: s.sqrt() for n, s in squared.items()}
@@ -145,46 +175,9 @@ def _empty_batch_norms(model: nn.Module, step: Step, per_param: bool
     return next(iter(empty.values()), torch.zeros(0))
 
 
-def clipping_coefficients(norms: Tensor, max_norm: float) -> Tensor:
-    """``c_i = min(1, max_norm / (norms_i + 1e-6))``."""
-    return (max_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
-
-
-def check_max_norm(max_norm: object, caller: str, name: str = "max_norm") -> float:
-    """``max_norm`` as a float: any real scalar (a Python int or float, a 0-dim or one-element
-    real tensor, a numpy real scalar or one-element array), finite and > 0."""
-    where = f"{caller}: {name}"
-    if isinstance(max_norm, bool):
-        raise ValueError(f"{where} must be a real number, not bool")
-    if isinstance(max_norm, Tensor):
-        dtype = max_norm.dtype
-        kind = "b" if dtype == torch.bool else "c" if dtype.is_complex else "f"
-        size = max_norm.numel()
-    elif hasattr(getattr(max_norm, "dtype", None), "kind"):  # numpy (not imported here)
-        kind, size = max_norm.dtype.kind, max_norm.size
-    elif isinstance(max_norm, numbers.Number):  # Decimal too (a Number, not a Real)
-        complex_ = isinstance(max_norm, numbers.Complex) and not isinstance(max_norm, numbers.Real)
-        kind, size = "c" if complex_ else "f", None
-    else:
-        kind = "?"
-    if kind == "b":
-        raise ValueError(f"{where} must be a real number, not bool")
-    if kind == "c":
-        raise ValueError(f"{where} must be a real number, not complex: got {max_norm!r}")
-    if kind not in "fiu":
-        raise ValueError(f"{where} must be a real number (int, float or a one-element tensor), "
-                         f"got {max_norm!r}")
-    if size is None:
-        value = float(max_norm)
-    elif size != 1:
-        raise ValueError(f"{where} must be one number, got {size} of them: pass a float")
-    else:
-        value = float(max_norm.item())
-    if not math.isfinite(value):
-        raise ValueError(f"{where} must be finite, got {value}")
-    if value <= 0:
-        raise ValueError(f"{where} must be > 0, got {value}")
-    return value
+def clipping_coefficients(norms: Tensor, max_grad_norm: float) -> Tensor:
+    """``c_i = min(1, max_grad_norm / (norms_i + 1e-6))``."""
+    return (max_grad_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
 
 
 def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
@@ -228,11 +221,6 @@ def _kept_grads(state: HookState, step: Step, per_layer: bool = False) -> KeptGr
     return KeptGrads(int(KEEP_FRACTION * sum(_captured(w) for w in step.layers)), buffer_for)
 
 
-def _fully_kept(layer: LayerWork, keep: KeptGrads) -> bool:
-    return bool(layer.parameters) and all(keep.get(layer.module, n) is not None
-                                          for n in layer.parameters)
-
-
 def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads, shared: Container[int]
                      ) -> None:
     """When ``layer``'s norms kept its weight's per-sample gradients, keep the rest too (a
@@ -274,17 +262,74 @@ def _write_zeros(layers: list[LayerWork], shared: dict, grads: ShardedGrads) -> 
         grads.publish(own)
 
 
+def _group_coefficients(model: nn.Module, step: Step, squared: dict[str, Tensor],
+                        norms: Tensor, limits: Thresholds, caller: str) -> list[Tensor]:
+    """Clipping coefficients ``[B]`` of each parameter group, from the norm of each sample's
+    gradient restricted to the group (``norms`` when there is one group)."""
+    if limits.group_of is None:
+        return [clipping_coefficients(norms, limits.values[0])]
+    names = parameter_names(model, step)
+    in_group: list[dict[str, Tensor]] = [{} for _ in limits.values]
+    for layer in step.layers:
+        for local, p in layer.parameters.items():
+            if id(p) not in limits.group_of:
+                raise PerSampleHooksError(
+                    f"{caller}: parameter '{local}' of '{layer.name}' is in no max_grad_norm "
+                    "group (made trainable after the groups were given?): give it a threshold")
+            name = names[id(layer)][local]
+            in_group[limits.group_of[id(p)]][name] = squared[name]
+    return [clipping_coefficients(_total(part, len(norms)).to(norms), limit)
+            for part, limit in zip(in_group, limits.values)]
+
+
+def _sample_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
+                    loss_type: LossType) -> Tensor:
+    """Weights of the samples' gradients as captured in the clipped sum: the coefficients
+    themselves (a mean loss's captured rows carry ``1/B``), or of groups' gradients (means of
+    their rows' as captured) ``c_g scale / count`` (mean) or ``c_g`` (sum)."""
+    if rows is None:
+        return coefficients
+    return coefficients * (step.scale / (rows.count if loss_type == "mean" else 1))
+
+
+def _row_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
+                 loss_type: LossType) -> Tensor:
+    """Weights of the captured rows in the clipped sum: :func:`_sample_weights` of each row's
+    group divided by the group's size."""
+    per_group = _sample_weights(coefficients, rows, step, loss_type)
+    if rows is None:
+        return per_group
+    return per_group[rows.ids.to(per_group.device)] * rows.weights.to(per_group)
+
+
 @with_full_values
 @torch.no_grad()
-def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", *,
-               release_records: bool = False) -> Tensor:
+def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
+               loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
+               release_records: bool = False, max_norm: float | None = None) -> Tensor:
     """After one ordinary backward, replace ``p.grad`` with the per-sample-clipped gradient.
 
     ``p.grad = (1/B) sum_i c_i g_i`` (``loss_type="mean"``) or ``sum_i c_i g_i`` (``"sum"``) with
-    ``g_i`` sample i's gradient and ``c_i = min(1, max_norm / (|g_i| + 1e-6))``; ``|g_i|`` is
-    over all trainable parameters of hooked modules. No second backward: one matmul per layer
-    from the captured activations and output gradients. Returns the unclipped norms ``[B]``.
-    ``max_norm``: any real number > 0 (a float, int, one-element tensor or numpy scalar).
+    ``g_i`` sample i's gradient and ``c_i = min(1, max_grad_norm / (|g_i| + 1e-6))``; ``|g_i|``
+    is over all trainable parameters of hooked modules. No second backward: one matmul per
+    layer from the captured activations and output gradients. Returns the unclipped norms
+    ``[B]``. ``max_grad_norm``: any real number > 0 (a float, int, one-element tensor or numpy
+    scalar); ``max_norm`` is its deprecated name.
+
+    Per-group (per-layer) clipping: ``max_grad_norm`` as groups of parameters with a threshold
+    each, ``{"fc1": 1.0, "fc2.weight": 0.5, ...}`` or ``[(model.conv, 1.0), (params, 0.5)]``
+    (:data:`~per_sample_hooks.clipping.MaxGradNorm`): each sample's gradient restricted to
+    group ``k`` is clipped to ``C_k``; every trainable parameter in exactly one group. A
+    clipped sample's gradient then has norm at most ``sqrt(sum_k C_k^2)``.
+
+    Groups of rows (augmentation multiplicity, user-level DP): ``groups`` an int ``K`` (rows
+    ``gK..gK+K-1`` are group ``g``) or a ``[B]`` tensor of group ids; the "samples" clipped are
+    then the groups, each group's gradient the *mean* of its rows' gradients (``d l_r / d p``),
+    so a threshold keeps its meaning whatever the group size, and with equal sizes and no
+    clipping ``p.grad`` is the gradient of the loss. ``p.grad = (1/count) sum_g c_g g_g``
+    (mean) or ``sum_g c_g g_g`` (sum); the norms returned are the groups', ``[count]``, in the
+    order of the sorted ids. Computed from the forms of the groups (their rows' positions
+    side by side: the cross terms between a group's rows included) without per-row gradients.
 
     ``release_records=True`` (what :class:`~per_sample_hooks.dp.DPSGD` does; no other
     ``compute_*`` can read this step then): drop each layer's captured tensors as soon as its
@@ -293,9 +338,13 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     norms formed its per-sample gradients keeps them (up to the size of its records) and drops
     its records right away, its clipped sum then a contraction.
     """
-    max_norm = check_max_norm(max_norm, "clip_grads")
+    # stacklevel 5: threshold_argument, this, torch.no_grad's and with_full_values' wrappers,
+    # then the caller
+    limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
+                        "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
+    rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
     # in an order that every rank follows (an empty batch's too)
     grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
@@ -310,23 +359,27 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     # records released as soon as a layer's per-sample gradients are all kept; only when the
     # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
     # computed no parameter gradient), since confirming a failed check re-runs the captured calls
-    early = release_records and not check_compares(state)
+    early = release_records and not check_compares(state) and rows is None
     if release_records:
         state.release_records("clip_grads(release_records=True)")
-    keep = _kept_grads(state, step, per_layer=early)
+    keep = _kept_grads(state, step, per_layer=early)  # of the groups' gradients with rows
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep,
                     shared=shared) if early else None
-    squared = _per_parameter_squared(model, step, keep, after)
-    check_unseen_uses(state, step, keep)  # contracts the kept per-sample gradients
-    norms = _total(squared, step.batch_size)
+    squared = _per_parameter_squared(model, step, keep, after, rows)
+    # contracts the kept per-sample gradients (not those of groups: it compares rows' sums)
+    check_unseen_uses(state, step, keep if rows is None else None)
+    norms = _total(squared, step.batch_size if rows is None else rows.count)
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
-    coefficients = clipping_coefficients(norms, max_norm)
+    coefficients = _group_coefficients(model, step, squared, norms, limits, "clip_grads")
+    weights = [_row_weights(c, rows, step, loss_type) for c in coefficients]
+    kept_weights = [_sample_weights(c, rows, step, loss_type) for c in coefficients]
     for uses in shared.values():  # before any of their modules' records are released
         layer, local = uses[0]
-        target, parts = grads.target(layer.parameters[local]), shared_forms(uses)
+        p = layer.parameters[local]
+        target, parts = grads.target(p), shared_forms(uses)
         if parts:
-            forms.weighted_sum(target, parts, coefficients)
+            forms.weighted_sum(target, parts, weights[limits.group(p)])
         else:
             target.zero_()
         grads.publish([layer.parameters[local]])
@@ -335,14 +388,16 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
             for p in layer.parameters.values():
                 if (p.grad is not None or is_sharded(p)) and id(p) not in shared:
                     grads.target(p).zero_()
-        elif _fully_kept(layer, keep):
+        else:  # the kept per-sample gradients contracted, the rest from the rule
+            by_group: dict[int, dict[str, Tensor]] = {}
             for name, p in layer.parameters.items():
-                contract_samples(grads.target(p), keep.get(layer.module, name), coefficients)
-        elif layer.parameters:
-            out = {name: grads.target(p) for name, p in layer.parameters.items()
-                   if id(p) not in shared}
-            if out:
-                layer.rule.weighted_sum(layer.module, layer.calls, coefficients, out, keep=keep)
+                kept = keep.get(layer.module, name)
+                if kept is not None:
+                    contract_samples(grads.target(p), kept, kept_weights[limits.group(p)])
+                elif id(p) not in shared:
+                    by_group.setdefault(limits.group(p), {})[name] = grads.target(p)
+            for k, out in by_group.items():
+                layer.rule.weighted_sum(layer.module, layer.calls, weights[k], out)
         grads.publish(p for p in layer.parameters.values() if id(p) not in shared)
         if release_records:
             for call in layer.calls:
@@ -352,4 +407,5 @@ def clip_grads(model: nn.Module, max_norm: float, loss_type: LossType = "mean", 
     return norms
 
 
-__all__ = ["compute_norms", "clip_grads", "clipping_coefficients", "CLIP_EPSILON"]
+__all__ = ["compute_norms", "clip_grads", "clipping_coefficients", "check_max_norm",
+           "CLIP_EPSILON"]

@@ -2,7 +2,7 @@
 
 ::
 
-    precond = psh.optim.KFAC(model, damping=1e-3, factor_decay=0.95, inverse_freq=10)
+    precond = psh.optim.KFAC(model)  # damping=1e-3, kl_clip=1e-3, inverse_freq=10, ...
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in loader:
         optimizer.zero_grad()
@@ -42,12 +42,20 @@ as the last column), and the curvature block of the (mean) loss for ``vec(M)`` (
 
    which is ``(kron(G, A) + lambda I)^{-1} vec(M)`` exactly; with ``lambda -> 0`` it is the
    natural-gradient / Newton direction ``G^{-1} M A^{-1}``.
-4. Optional step-size control over all covered layers (applied in this order):
+4. Step-size control over all covered layers (applied in this order):
 
-   - ``kl_clip`` (Ba et al. 2017; Grosse & Martens 2016): with ``lr`` the optimizer's
-     learning rate, the predicted change of the model's output distribution is
-     ``lr^2 * sum_layers <P, M>``; ``P`` is scaled by
-     ``nu = min(1, sqrt(kl_clip / (lr^2 * sum <P, M>)))``.
+   - ``kl_clip`` (on by default, ``1e-3``; Ba et al. 2017; Grosse & Martens 2016, as
+     kfac-pytorch's ``kl_clip``): with ``lr`` the optimizer's learning rate, the predicted
+     change of the model's output distribution is ``lr^2 * sum_layers <P, M>``; ``P`` is
+     scaled by ``nu = min(1, sqrt(kl_clip / (lr^2 * sum <P, M>)))``. With the default
+     ``lr=1.0`` this bounds ``<P, M>``, the squared curvature norm of the preconditioned
+     gradient, and the optimizer's learning rate scales the step below that bound: the
+     damped inverse of small eigenvalues can make ``P`` thousands of times the gradient in
+     low-curvature directions, and without a clip SGD (momentum 0.9) on the digits CNN of
+     ``examples/kfac_digits.py`` diverges at every learning rate from 0.01 to 1 with
+     ``damping`` 1e-3, 1e-2 or 1e-1 (at 0.1 with 1e-1). With the default clip it trains at
+     every one of them (two epochs: mean loss of the second 1.96 / 0.87 / 0.094 / 0.27 / 1.36
+     at lr 0.01 / 0.03 / 0.1 / 0.3 / 1, against 0.24 for plain SGD's best learning rate).
    - ``rescale_norm=True``: ``P`` is scaled to the global norm of the original gradients of
      the covered layers (KFAC gives the direction, the optimizer's step size stays meaningful).
 
@@ -240,8 +248,13 @@ class KFAC:
             for layers with positions; ``"mean"``/``"sum"``: how the loss reduces the batch;
             ``"diagonal"``: a curvature diagonal for layers without Kronecker structure,
             ``"skip"``: leave them to the optimizer).
-        kl_clip: if set, bound the predicted KL change ``lr^2 <P, M>`` by it (needs ``lr``).
-        lr: the optimizer's learning rate, used only by ``kl_clip``; update ``precond.lr``
+        kl_clip: bound the predicted KL change ``lr^2 <P, M>`` by it (None: no bound; see
+            the module docstring: without it KFAC's steps along low-curvature directions can
+            diverge at ordinary learning rates).
+        lr: used only by ``kl_clip``. 1.0 (the default): ``kl_clip`` bounds ``<P, M>`` and the
+            optimizer's learning rate scales the clipped step. The optimizer's learning rate
+            (kfac-pytorch's convention): it bounds the step's own predicted KL, so the
+            learning rate matters only while the clip does not bind; update ``precond.lr``
             along with a schedule.
         rescale_norm: scale the preconditioned gradients to the norm of the original ones.
         pause_hooks: disable the model's hooks on steps that read no factors (``update_freq >
@@ -265,7 +278,7 @@ class KFAC:
     def __init__(self, model: nn.Module, *, damping: float = 1e-3, factor_decay: float = 0.95,
                  update_freq: int = 1, inverse_freq: int = 10, approx: Approx = "expand",
                  loss_type: LossType = "mean", unsupported: KFACUnsupported = "diagonal",
-                 kl_clip: float | None = None, lr: float = 1.0, rescale_norm: bool = False,
+                 kl_clip: float | None = 1e-3, lr: float = 1.0, rescale_norm: bool = False,
                  pause_hooks: bool = True, factors: FactorFn | None = None,
                  eigh_dtype: torch.dtype | None = torch.float64) -> None:
         if damping < 0:
@@ -291,7 +304,9 @@ class KFAC:
         self.read_this_step = False  # factors already read by backprop_hess
         self.owns_hooks = unwrap(model).__dict__.get(STATE_ATTRIBUTE) is None
         add_hooks(model)
-        self.edges = OutputEdges(model)  # the hooked outputs' edges for backprop_hess
+        # the hooked outputs' edges for backprop_hess, recorded from its first call on (they
+        # hold the graph of every forward until a backward: none without backprop_hess)
+        self.edges: OutputEdges | None = None
         self.transposed = {m for m, rule in get_state(model).rules.items()
                            if getattr(rule, "weight_transposed", False)}  # stored [in, out]
         self.steps = 0
@@ -319,14 +334,18 @@ class KFAC:
         ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
         ``o`` passes (see :func:`per_sample_hooks.curvature.backprop_hess`).
 
-        The passes stop at the hooked layers' outputs (``backprop_hess(..., edges=)``,
-        recorded in every forward) and compute no parameter gradient, except on the steps the
-        unseen-use check runs (:mod:`per_sample_hooks.unseen`), whose passes go to the graph's
-        leaves so that it has parameter gradients to compare.
+        From the second call on, the passes stop at the hooked layers' outputs
+        (``backprop_hess(..., edges=)``, recorded in every forward from the first call on) and
+        compute no parameter gradient, except on the steps the unseen-use check runs
+        (:mod:`per_sample_hooks.unseen`, the first among them), whose passes go to the graph's
+        leaves so that it has parameter gradients to compare. Without ``backprop_hess`` no
+        edges are recorded: they would keep the graphs of forwards no backward follows.
         """
         if self.steps % self.update_freq != 0 or self.read_this_step:
             return
         from .curvature import backprop_hess  # noqa: PLC0415
+        if self.edges is None:  # records from the next forward on: this pass goes to the leaves
+            self.edges = OutputEdges(self.model)
         backprop_hess(output, hess_type, loss_type=self.loss_type, n_samples=n_samples,
                       generator=generator, retain_graph=True, edges=self.edges)
         self.update_factors(self.read_factors(self.model))

@@ -189,7 +189,7 @@ class UnseenUseCheck:
         probe = self.probes.get(id(p))
         if probe is None:
             n0, n1 = matrix_shape(p.shape)
-            probe = tuple(torch.randn(N_PROBES, n, generator=self.generator,
+            probe = tuple(torch.randn(N_PROBES, n, generator=self.generator, device="cpu",
                                       dtype=torch.float64).to(p.dtype).to(p.device)
                           for n in (n0, n1))
             self.probes[id(p)] = probe
@@ -225,13 +225,18 @@ class UnseenUseCheck:
             return
         start = time.perf_counter()
         keys = list(self.totals)
-        totals = torch.stack([self.totals[k].double().cpu() for k in keys])
-        values = torch.stack([hooked.projections[k].double().cpu() if k in hooked.projections
-                              else torch.zeros(N_PROBES, dtype=torch.float64) for k in keys])
-        sizes = torch.stack([(self.sizes[k] + hooked.norms[k] if k in hooked.norms
-                              else self.sizes[k]).double().cpu() for k in keys])
+        device = self.totals[keys[0]].device  # stacked there, copied to the host once each
+
+        def gather(values: list[Tensor]) -> Tensor:
+            return torch.stack([v.to(device, torch.float64) for v in values]).cpu()
+
+        zeros = torch.zeros(N_PROBES, dtype=torch.float64, device=device)
+        totals = gather([self.totals[k] for k in keys])
+        values = gather([hooked.projections.get(k, zeros) for k in keys])
+        sizes = gather([self.sizes[k] + hooked.norms[k] if k in hooked.norms else self.sizes[k]
+                        for k in keys])
         tolerances = torch.tensor([relative_tolerance(self.totals[k].dtype) for k in keys],
-                                  dtype=torch.float64)
+                                  dtype=torch.float64, device="cpu")
         gaps = (totals - values).abs()
         bounds = (tolerances * sizes + torch.finfo(torch.float32).tiny).unsqueeze(1)
         for i in (gaps > bounds).any(1).nonzero().flatten().tolist():

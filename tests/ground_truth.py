@@ -11,6 +11,11 @@ import per_sample_hooks as psh
 LossFn = Callable[[object], Tensor]  # model output -> per-sample losses [B]
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator on the default device (``PSH_TEST_DEVICE``, see conftest.py), seeded."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
 def sum_of_outputs(output: Tensor) -> Tensor:
     """Per-sample loss: sum of every output entry of the sample (batch first)."""
     return output.reshape(output.shape[0], -1).sum(1)

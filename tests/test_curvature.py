@@ -18,6 +18,7 @@ from models import AppliedTwice
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
+from ground_truth import seeded
 from per_sample_hooks.dp import OutputEdges
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
 from per_sample_hooks.forms.kronecker import ROW_ALIGN
@@ -110,7 +111,7 @@ def curvature_after_backprop_hess(model: nn.Module, x: Tensor, hess_type: str,
         if edges == "late":
             recorder = OutputEdges(model)
         psh.backprop_hess(output, hess_type, n_samples=n_samples, edges=recorder,
-                          generator=None if n_samples is None else torch.Generator().manual_seed(3))
+                          generator=None if n_samples is None else seeded(3))
         for handle in handles:
             handle.remove()
         assert recorder is None or recorder.edges == []  # used up
@@ -388,7 +389,7 @@ def test_monte_carlo_fisher_converges_to_exact() -> None:
         exact = {n: p.hess.clone() for n, p in model.named_parameters()}
         errors = []
         for n_samples in (10, 2000):
-            generator = torch.Generator().manual_seed(0)
+            generator = seeded(0)
             psh.backprop_hess(model(x), "CrossEntropy", n_samples=n_samples,
                               generator=generator)
             psh.compute_hess(model)
@@ -406,7 +407,7 @@ def test_monte_carlo_least_squares_kfac() -> None:
         psh.backprop_hess(model(x), "LeastSquares")
         exact = psh.compute_kfac(model)
         psh.backprop_hess(model(x), "LeastSquares", n_samples=4000,
-                          generator=torch.Generator().manual_seed(1))
+                          generator=seeded(1))
         sampled = psh.compute_kfac(model)
     for module in model:
         torch.testing.assert_close(sampled[module][1], exact[module][1], rtol=0.1, atol=0.05)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from norms_truth import loop_clipped
+from norms_truth import loop_clipped, loop_grouped_clipping
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -151,6 +151,32 @@ def dp_clipping_matches_one_process(rank: int, loss_type: str, suppress: str) ->
         check_close(p.detach(), q.detach(), f"rank {rank} parameters after the steps")
 
 
+def grouped_clipping_matches_one_process(rank: int, loss_type: str) -> None:
+    """Per-layer thresholds and groups of rows (pairs of a rank's rows; ids of rank 1 after
+    rank 0's) through ``distributed.clip_grads``: the global batch's clipped mean (sum)."""
+    reference = make_model()
+    ddp = DistributedDataParallel(make_model())
+    psh.distributed.skip_gradient_allreduce(ddp)
+    limits = [(ddp.module[0], 0.02), (ddp.module[3:], 0.05)]
+    group_of = {n: 0 if n.startswith("0.") else 1 for n, _ in reference.named_parameters()}
+    with psh.add_hooks(ddp):
+        for step, sizes in enumerate(STEP_SHARDS):
+            x = global_batch(step)
+            ids = torch.cat([torch.arange(n) // 2 + 100 * r for r, n in enumerate(sizes)])
+            grads = loop_grads(reference, [x], weighted_square, len(x))
+            total, _, expected = loop_grouped_clipping(grads, group_of, [0.02, 0.05], ids,
+                                                       loss_type)
+            ddp.zero_grad(set_to_none=True)
+            backward(ddp, shard(x, rank, step), loss_type)
+            norms = psh.distributed.clip_grads(ddp, limits, loss_type,
+                                               groups=shard(ids, rank, step))
+            counts = [(n + 1) // 2 for n in sizes]
+            check_close(norms, total[sum(counts[:rank]):sum(counts[:rank + 1])],
+                        f"rank {rank} step {step} group norms")
+            for n, p in ddp.module.named_parameters():
+                check_close(p.grad, expected[n], f"rank {rank} step {step} grouped clipped {n}")
+
+
 def shard_grads(grads: dict, rank: int, step: int) -> dict:
     return {n: shard(g, rank, step) for n, g in grads.items()}
 
@@ -239,6 +265,7 @@ def worker(rank: int, init_file: str, errors: str) -> None:
             for suppress in ("comm_hook", "no_sync", "plain"):
                 dp_clipping_matches_one_process(rank, loss_type, suppress)
             dpsgd_matches_one_process(rank, loss_type)
+            grouped_clipping_matches_one_process(rank, loss_type)
         weighted_mean_helper(rank)
         dist.barrier()  # both ranks done before the teardown: gloo aborts on a peer gone early
     except BaseException:

@@ -2,22 +2,18 @@ import math
 
 import pytest
 import torch
+from norms_truth import RecordingAccountant
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import loop_grads
-from per_sample_hooks.dp import DPSGD, fixed_size_batch, noise_multiplier_for, poisson_batch
-
-
-class RecordingAccountant:
-    def __init__(self):
-        self.history = []
-
-    def step(self, *, noise_multiplier, sample_rate):
-        self.history.append((noise_multiplier, sample_rate))
-
-    def get_epsilon(self, delta):
-        return float(len(self.history))
+from ground_truth import loop_grads, seeded
+from per_sample_hooks.dp import (
+    DPSGD,
+    fixed_size_batch,
+    micro_batches,
+    noise_multiplier_for,
+    poisson_batch,
+)
 
 
 def _setup(noise=1.0, max_norm=1.0, batch_size=8, dataset_size=64, seed=0, **options):
@@ -26,7 +22,7 @@ def _setup(noise=1.0, max_norm=1.0, batch_size=8, dataset_size=64, seed=0, **opt
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     dp = DPSGD(model, optimizer, noise_multiplier=noise, max_grad_norm=max_norm,
                dataset_size=dataset_size, batch_size=batch_size,
-               generator=torch.Generator().manual_seed(seed), **options)
+               generator=seeded(seed), **options)
     return model, dp
 
 
@@ -42,7 +38,7 @@ def test_noise_std_on_empty_batch():
     model = nn.Linear(100, 100)
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.3,
                max_grad_norm=2.0, dataset_size=1000, batch_size=40, accountant=None,
-               generator=torch.Generator().manual_seed(0))
+               generator=seeded(0))
     dp.zero_grad()
     dp.step(empty_batch=True)
     noise = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -74,7 +70,7 @@ def test_noise_is_added_to_clipped_sum_over_expected_size(loss_type):
 
 
 def test_poisson_sampling_statistics():
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     n, q, draws = 200, 0.1, 2000
     sizes, counts = [], torch.zeros(n)
     for _ in range(draws):
@@ -91,7 +87,7 @@ def test_poisson_sampling_statistics():
 
 
 def test_fixed_size_sampling_statistics():
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     n, b, draws = 50, 10, 2000
     counts = torch.zeros(n)
     for _ in range(draws):
@@ -363,7 +359,7 @@ def test_checked_steps_take_an_ordinary_backward(unseen):
     state.unseen.schedule.budget = 0.0  # no sampled checks: only new structures
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
                max_grad_norm=1.0, dataset_size=64, batch_size=8, accountant=None,
-               generator=torch.Generator().manual_seed(0))
+               generator=seeded(0))
     batches = [torch.randn(n, 6, dtype=torch.double) for n in (8, 8, 8, 5, 5, 8)]
     ordinary = []
     for x in batches:
@@ -377,3 +373,342 @@ def test_checked_steps_take_an_ordinary_backward(unseen):
         dp.step()
     expected = [True] * 6 if unseen else [True, False, False, True, False, False]
     assert ordinary == expected
+
+
+# ---------------------------------------------------------------- virtual batches
+
+def _train_epochs(dtype, loss_type, max_micro_batch=None, epochs=3, style="batches"):
+    """DPSGD with real steps (SGD with momentum, noise) on 12 samples, expected batch 2: the
+    batch sizes drawn and the parameters after ``epochs``; ``style`` "accumulate": pieces of
+    one's own, ``accumulate()`` after each and ``step()`` at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    x = torch.randn(12, 6, dtype=dtype)
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5),
+               noise_multiplier=0.8, max_grad_norm=0.5, dataset_size=12, batch_size=2,
+               loss_type=loss_type, accountant=RecordingAccountant(),
+               generator=seeded(5))
+    sizes = []
+    for _ in range(epochs):
+        if style == "accumulate":
+            for idx in dp.batches():
+                sizes.append(len(idx))
+                for piece in idx.split(max_micro_batch) if len(idx) else []:
+                    dp.zero_grad()
+                    losses = model(x[piece]).pow(2).sum(1)
+                    dp.backward(losses.mean() if loss_type == "mean" else losses.sum())
+                    dp.accumulate()
+                dp.step()  # nothing pending: noise and step
+            continue
+        for idx in dp.batches(max_micro_batch=max_micro_batch):
+            sizes.append(len(idx))
+            dp.zero_grad()
+            if len(idx):
+                losses = model(x[idx]).pow(2).sum(1)
+                dp.backward(losses.mean() if loss_type == "mean" else losses.sum())
+            dp.step()
+    assert len(dp.accountant.history) == dp.steps == 6 * epochs
+    return sizes, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_virtual_batches_match_one_big_batch(dtype, loss_type):
+    """Poisson batches in pieces of at most 2 (uneven: 3 = 2 + 1; empty batches one empty
+    piece): the clipped sums accumulate, noise and accounting once per batch, the parameters
+    those of the same batches whole (same indices, same noise: same generator seed)."""
+    sizes, whole = _train_epochs(dtype, loss_type)
+    assert 0 in sizes and any(n > 2 and n % 2 for n in sizes)  # the cases this test is for
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    for style in ["batches", "accumulate"]:
+        pieces_sizes, pieces = _train_epochs(dtype, loss_type, max_micro_batch=2, style=style)
+        assert pieces_sizes == (sizes if style == "accumulate" else
+                                [len(p) for n in sizes for p in micro_batches(torch.arange(n), 2)])
+        for p, q in zip(pieces, whole):
+            torch.testing.assert_close(p, q, **tolerance)
+    moved = _train_epochs(dtype, loss_type, epochs=1)[1]
+    assert not torch.allclose(moved[0], whole[0])  # the steps change the parameters
+
+
+def test_virtual_batch_pieces_and_last_micro_batch():
+    _, dp = _setup(accountant=None, dataset_size=64, batch_size=16)
+    _, whole = _setup(accountant=None, dataset_size=64, batch_size=16)
+    pieces, flags = [], []
+    for idx in dp.batches(max_micro_batch=5):
+        pieces.append(idx)
+        flags.append(dp.last_micro_batch)
+        dp._accumulated = 0  # only the pieces are looked at here (no backward)
+    batches = list(whole.batches())
+    assert torch.equal(torch.cat(pieces), torch.cat(batches))
+    assert all(0 < len(p) <= 5 for p in pieces)
+    assert sum(flags) == len(batches) and flags[-1]
+    assert dp.last_micro_batch
+
+
+def test_unfinished_virtual_batch_is_refused():
+    model, dp = _setup(accountant=None, dataset_size=64, batch_size=16)
+    with pytest.raises(psh.PerSampleHooksError, match="never stepped"):
+        for idx in dp.batches(max_micro_batch=4):
+            dp.zero_grad()
+            _backward(model, idx)
+            dp.accumulate()  # never step()
+
+
+def test_virtual_batches_refused_under_ddp():
+    _, dp = _setup(accountant=None)
+    dp.distributed = True  # as for a DistributedDataParallel model
+    with pytest.raises(psh.PerSampleHooksError, match="DistributedDataParallel"):
+        next(dp.batches(max_micro_batch=4))
+    with pytest.raises(psh.PerSampleHooksError, match="DistributedDataParallel"):
+        dp.accumulate()
+    with pytest.raises(ValueError, match="max_micro_batch"):
+        next(_setup(accountant=None)[1].batches(max_micro_batch=0))
+
+
+def test_empty_batch_from_batches_needs_no_flag():
+    """step() after an empty batch of batches() is a noise-only step without empty_batch=;
+    after the loop the default is False again."""
+    model, dp = _setup(accountant=RecordingAccountant(), dataset_size=40, batch_size=1)
+    sizes = []
+    for idx in dp.batches():
+        sizes.append(len(idx))
+        dp.zero_grad()
+        if len(idx):
+            _backward(model, idx)
+        dp.step()
+    assert 0 in sizes and dp.steps == 40
+    with pytest.raises(psh.PerSampleHooksError, match="backward"):
+        dp.step()
+
+
+# ---------------------------------------------------------------- the noise
+
+def test_flat_buffers_are_views_kept_across_calls():
+    from per_sample_hooks.noise import FlatBuffers
+    buffers = FlatBuffers()
+    tensors = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
+    views = buffers.like(tensors)
+    assert [v.shape for v in views] == [t.shape for t in tensors]
+    assert [v.dtype for v in views] == [t.dtype for t in tensors]
+    assert {k: f.numel() for k, f in buffers.flats.items()} == {
+        (torch.float32, torch.device("cpu")): 14, (torch.float64, torch.device("cpu")): 5}
+    flat = buffers.flats[torch.float32, torch.device("cpu")]
+    flat.copy_(torch.arange(14.0))
+    assert views[0].flatten().tolist() == list(range(12)) and views[2].tolist() == [12, 13]
+    assert buffers.like(tensors)[0].data_ptr() == views[0].data_ptr()  # reused
+    assert buffers.like(tensors[:1])[0].shape == (3, 4)  # a new layout: new storage
+
+
+def test_noise_storage_is_reused_across_steps():
+    torch.manual_seed(0)
+    model = nn.Linear(10, 10)
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0,
+               max_grad_norm=1.0, dataset_size=100, batch_size=10, accountant=None,
+               generator=seeded(0))
+    noises, pointers = [], []
+    for _ in range(2):
+        dp.zero_grad()
+        dp.step(empty_batch=True)
+        noises.append(model.weight.grad.clone())
+        pointers.append([f.data_ptr() for f in dp._noise.buffers.flats.values()])
+    assert pointers[0] == pointers[1] and len(pointers[0]) == 1
+    assert not torch.equal(noises[0], noises[1])
+    dp.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_noise_drawn_ahead_is_the_noise_drawn_in_place(dtype):
+    """GaussianNoise with ``ahead``: the draw of the next call made on a background thread
+    gives the same numbers as drawing at the call, from the same seed; other shapes drop it."""
+    from per_sample_hooks.noise import GaussianNoise
+    shapes = [torch.empty(3, 4, dtype=dtype), torch.empty(5, dtype=dtype),
+              torch.empty(2, dtype=torch.float64)]
+    ahead, in_place = GaussianNoise(seeded(3), ahead=True), GaussianNoise(seeded(3), ahead=False)
+    for _ in range(3):
+        got = [v.clone() for v in ahead.draw(shapes)]
+        ahead.draw_ahead()
+        for g, expected in zip(got, in_place.draw(shapes)):
+            assert g.dtype == expected.dtype and torch.equal(g, expected)
+    other = ahead.draw([torch.empty(7, dtype=dtype)])[0]  # the draw made ahead is dropped
+    assert other.shape == (7,) and torch.isfinite(other).all()
+    ahead.close()
+
+
+def test_dpsgd_noise_ahead_steps_as_without():
+    """Same seed, noise drawn ahead or at the step: the same parameters after real steps
+    (Poisson batches from the same generator, momentum)."""
+    def train(noise_ahead: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        x = torch.randn(40, 6)
+        dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                   noise_multiplier=1.0, max_grad_norm=0.5, dataset_size=40, batch_size=8,
+                   accountant=None, generator=seeded(2), noise_ahead=noise_ahead)
+        for idx in dp.batches():
+            dp.zero_grad()
+            if len(idx):
+                dp.backward(model(x[idx]).pow(2).sum(1).mean())
+            dp.step()
+        dp.close()
+        return [p.detach().clone() for p in model.parameters()]
+    for got, expected in zip(train(True), train(False)):
+        assert torch.equal(got, expected)
+
+
+def _normality(z: torch.Tensor) -> None:
+    """``z`` looks like draws of N(0, 1): mean, variance, Kolmogorov-Smirnov distance, tails."""
+    n = z.numel()
+    z = z.double().flatten()
+    assert abs(z.mean().item()) < 4 / math.sqrt(n)
+    assert abs(z.var().item() - 1) < 4 * math.sqrt(2 / n)
+    cdf = 0.5 * (1 + torch.erf(z.sort().values / math.sqrt(2)))
+    ks = (cdf - torch.arange(1, n + 1, dtype=torch.double) / n).abs().max().item()
+    assert ks < 1.95 / math.sqrt(n)  # the 0.1% critical value
+    beyond = (z.abs() > 3).double().mean().item()
+    assert abs(beyond - 0.0026998) < 5 * math.sqrt(0.0027 / n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_secure_gaussian_is_standard_normal(dtype):
+    from per_sample_hooks.noise import gaussian_, secure_gaussian_
+    z = secure_gaussian_(torch.empty(200_001, dtype=dtype))
+    _normality(z)
+    assert z.dtype == dtype
+    other = gaussian_(torch.empty(7, 3, dtype=dtype), 2.0, secure=True)
+    assert other.shape == (7, 3) and not torch.equal(other, gaussian_(other.clone(), 2.0,
+                                                                      secure=True))
+    drawn = gaussian_(torch.empty(200_000, dtype=dtype), 1.0, seeded(0))
+    _normality(drawn)
+
+
+def test_secure_rng_noise():
+    torch.manual_seed(0)
+    model = nn.Linear(100, 100)
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.3,
+               max_grad_norm=2.0, dataset_size=1000, batch_size=40, accountant=None,
+               secure_rng=True)
+    dp.step(empty_batch=True)
+    noise = torch.cat([p.grad.flatten() for p in model.parameters()])
+    _normality(noise / (1.3 * 2.0 / 40))
+    with pytest.raises(ValueError, match="secure_rng"):
+        DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0,
+              max_grad_norm=1.0, dataset_size=10, batch_size=5, accountant=None,
+              secure_rng=True, generator=torch.Generator())
+
+
+# ---------------------------------------------------------------- data
+
+class DictDataset(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "name": f"sample {i}"}
+
+
+def _data_dp(data, **options):
+    model = nn.Linear(6, 3)
+    return DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0,
+                 max_grad_norm=1.0, data=data, accountant=None,
+                 generator=seeded(0), **options)
+
+
+def test_data_gives_the_samples_of_the_sampled_indices():
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6), torch.randint(3, (40,))
+    indices = list(_setup(dataset_size=40, batch_size=1, accountant=None)[1].batches())
+    assert any(len(i) == 0 for i in indices)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=1,
+                                         shuffle=True)
+    for data, options in [(torch.utils.data.TensorDataset(x, y), dict(batch_size=1)),
+                          (loader, {}), (DictDataset(x, y), dict(batch_size=1)),
+                          (torch.utils.data.DataLoader(DictDataset(x, y), batch_size=1,
+                                                       collate_fn=lambda s: s), {})]:
+        dp = _data_dp(data, **options)
+        assert dp.dataset_size == 40 and dp.batch_size == 1
+        for idx, batch in zip(indices, dp.batches()):
+            if isinstance(batch, list) and batch and isinstance(batch[0], torch.Tensor):
+                assert torch.equal(batch[0], x[idx]) and torch.equal(batch[1], y[idx])
+                assert batch[0].shape == (len(idx), 6) and batch[1].dtype == torch.long
+            elif isinstance(batch, dict):
+                assert torch.equal(batch["x"], x[idx]) and torch.equal(batch["y"], y[idx])
+                assert batch["name"] == [f"sample {i}" for i in idx.tolist()]
+            else:  # the loader's own collate_fn: the list of samples
+                assert [s["name"] for s in batch] == [f"sample {i}" for i in idx.tolist()]
+
+
+def test_data_pieces_and_training_match_indices():
+    """A Dataset through batches(max_micro_batch=) trains exactly like indices into tensors."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6, dtype=torch.double)
+    results = []
+    for data in [None, DictDataset(x, torch.zeros(64))]:
+        model, dp = _setup(dataset_size=None if data else 64, data=data)
+        model[0].weight.data.mul_(3)  # clip some samples
+        dp.optimizer.param_groups[0]["lr"] = 0.5
+        for batch in dp.batches(max_micro_batch=3):
+            inputs = x[batch] if data is None else batch["x"]
+            dp.zero_grad()
+            if len(inputs):
+                dp.backward(model(inputs).pow(2).sum(1).mean())
+            dp.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q)
+
+
+def test_bad_data_arguments():
+    x = torch.utils.data.TensorDataset(torch.randn(10, 2))
+    with pytest.raises(ValueError, match="dataset_size=12 but the data holds 10"):
+        _data_dp(x, dataset_size=12, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        _data_dp(x)
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+        def __len__(self):
+            return 3
+    with pytest.raises(TypeError, match="map-style Dataset.*Stream"):
+        _data_dp(Stream(), batch_size=1)
+
+
+# ---------------------------------------------------------------- the budget
+
+@pytest.mark.parametrize("epochs", [1, 5])
+def test_target_epsilon_is_spent_in_the_planned_epochs(epochs):
+    """From a budget: the noise multiplier that noise_multiplier_for picks; after the planned
+    epochs (empty steps are steps too) epsilon is at most the target and within Opacus'
+    tolerance (0.01) of it."""
+    model = nn.Linear(3, 2)
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0,
+               target_epsilon=2.0, target_delta=1e-5, epochs=epochs, dataset_size=500,
+               batch_size=25, generator=seeded(0))
+    assert dp.noise_multiplier == pytest.approx(
+        noise_multiplier_for(2.0, 1e-5, sample_rate=0.05, steps=20 * epochs))
+    for _ in range(epochs):
+        for _ in dp.batches():
+            dp.step(empty_batch=True)
+    assert dp.steps == 20 * epochs
+    assert 2.0 - 0.011 <= dp.epsilon() <= 2.0
+    assert dp.epsilon(1e-5) == dp.epsilon()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(noise_multiplier=1.0, target_epsilon=1.0, target_delta=1e-5, epochs=1), "exactly one"),
+    (dict(), "exactly one"), (dict(target_epsilon=1.0, epochs=1), "target_delta and epochs"),
+    (dict(noise_multiplier=1.0, epochs=3), "go with target_epsilon"),
+    (dict(target_epsilon=-1.0, target_delta=1e-5, epochs=1), "target_epsilon > 0"),
+    (dict(target_epsilon=1.0, target_delta=1e-5, epochs=1, accountant=None), "accountant="),
+])
+def test_bad_budget_arguments(options, match):
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=match):
+        DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0,
+              dataset_size=100, batch_size=10, **options)
+    _, dp = _setup()
+    with pytest.raises(ValueError, match="give delta"):
+        dp.epsilon()

@@ -1,6 +1,7 @@
 """Mixed precision and dtypes.
 
-Under ``torch.autocast(device_type="cpu", dtype=torch.bfloat16)`` a hooked module sees and
+Under ``torch.autocast(device_type=..., dtype=torch.bfloat16)`` (the CPU, or the GPU with
+``PSH_TEST_DEVICE=cuda``: the same tolerances hold on both) a hooked module sees and
 returns bfloat16 tensors while its parameters stay float32. The captured inputs and output
 gradients are converted to the parameters' dtype before any rule runs, so per-sample
 quantities come out in float32, computed in float32 from the bfloat16 values of the forward and
@@ -22,6 +23,7 @@ import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, loop_grads, weighted_square
 
 AUTOCAST_RTOL = 2e-2
+DEVICE_TYPE = torch.get_default_device().type
 BF16_RTOL = 2e-2
 
 
@@ -62,7 +64,7 @@ def test_autocast_bfloat16_forward(index, loss_type):
     expected = loop_grads(model, [x], weighted_square, len(x))  # float32, no autocast
     with psh.add_hooks(model):
         model.zero_grad(set_to_none=True)
-        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        with torch.autocast(device_type=DEVICE_TYPE, dtype=torch.bfloat16):
             out = model(x)
         assert out.dtype == torch.bfloat16  # autocast did run the layers in bfloat16
         losses = weighted_square(out.float())
@@ -74,7 +76,7 @@ def test_autocast_bfloat16_forward(index, loss_type):
             assert p.grad1.dtype == p.dtype == torch.float32, n
             reduced = p.grad1.mean(0) if loss_type == "mean" else p.grad1.sum(0)
             assert relative_error(reduced, p.grad) < AUTOCAST_RTOL, n
-        psh.clip_grads(model, max_norm=0.5, loss_type=loss_type)
+        psh.clip_grads(model, max_grad_norm=0.5, loss_type=loss_type)
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     for n in expected:
         error = relative_error(got[n], expected[n])
@@ -89,7 +91,7 @@ def test_autocast_captures_are_not_kept_in_float32_twice():
     records already in the parameters' dtype."""
     _, model, shape = models()[0]
     with psh.add_hooks(model) as state:
-        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        with torch.autocast(device_type=DEVICE_TYPE, dtype=torch.bfloat16):
             out = model(torch.randn(4, *shape))
         out.float().sum().backward()
         psh.compute_grad1(model)

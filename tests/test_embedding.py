@@ -11,7 +11,7 @@ from norms_truth import assert_clipping_matches, assert_norms_match, hooked_back
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, weighted_square
+from ground_truth import assert_matches_loop, loop_grads, seeded, weighted_square
 from per_sample_hooks.rules import default_registry, fallback
 
 LOSS_TYPES = st.sampled_from(["mean", "sum"])
@@ -182,7 +182,7 @@ def test_embedding_bag(batch, length, vocab, dim, mode, flat, last, padding, wei
     model = Bags(vocab, dim, flat, mode=mode, padding_idx=padding,
                  include_last_offset=last and flat)
     inputs = bag_inputs(batch, length, vocab, weighted, empty=flat,
-                        generator=torch.Generator().manual_seed(batch * 7 + length))
+                        generator=seeded(batch * 7 + length))
     got = assert_matches_loop(model, inputs, loss_type=loss_type)
     if padding is not None:
         assert not got["bag.weight"][:, padding].any()
@@ -221,7 +221,7 @@ CASES = {
 def test_norms_and_clipping(case, loss_type):
     torch.manual_seed(0)
     make, inputs = CASES[case]
-    model, x = make(), inputs(torch.Generator().manual_seed(3))
+    model, x = make(), inputs(seeded(3))
     assert_norms_match(model, x, loss_type=loss_type)
     for max_norm in (1e-3, 0.3, 1e6):
         assert_clipping_matches(model, x, max_norm, loss_type=loss_type)
@@ -317,7 +317,7 @@ def test_no_token_per_sample(case, dtype):
         norms = psh.compute_norms(model)
         torch.testing.assert_close(norms.double(), expected_norms, **tolerance)
         hooked_backward(model, x)
-        clipped = psh.clip_grads(model, max_norm=0.1)
+        clipped = psh.clip_grads(model, max_grad_norm=0.1)
         torch.testing.assert_close(clipped.double(), expected_norms, **tolerance)
         coefficients = (0.1 / (expected_norms + 1e-6)).clamp(max=1)
         for n, g in expected.items():

@@ -5,6 +5,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from ground_truth import seeded
 from per_sample_hooks import forms
 from per_sample_hooks.forms import Dense, Outer, Rows, Unfolded
 
@@ -27,7 +28,7 @@ def form_lists(draw):
     """A parameter's forms: ``batch``, ``[forms]``, the per-sample size ``n``, and its first
     dim ``n0`` (the parameter is ``[n0, n / n0]``: ``[groups * p, d]``, a bias ``[groups * p]``)."""
     batch = draw(st.integers(1, 4))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+    g = seeded(draw(st.integers(0, 1000)))
     kinds = draw(st.lists(st.sampled_from(["outer", "bias", "rows", "dense"]), min_size=1,
                           max_size=3))
     groups, p, d = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
@@ -80,7 +81,7 @@ def test_forms_against_their_dense_gradients(case, scale):
 def test_projection_of_a_matrix_parameter(batch, groups, positions, p, d, seed):
     """An outer product (and the same gradient as rows [groups * p, d] and dense), projected
     on probes of the parameter seen as [groups * p, d]."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     outer = Outer(torch.randn(batch, groups, positions, p, generator=g, dtype=torch.double),
                   torch.randn(batch, groups, positions, d, generator=g, dtype=torch.double))
     dense = dense_of(outer, batch)
@@ -102,7 +103,7 @@ def test_projection_of_a_matrix_parameter(batch, groups, positions, p, d, seed):
 def test_blocks_of_rows(batch, sizes, lengths, d, calls, bias, seed):
     """Outer forms of disjoint row blocks (attention's query, key and value rows, each with
     its own positions), from one or two calls, against the dense gradient."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     n0 = sum(sizes)
     bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
     parts, expected = [], torch.zeros(batch, n0, 1 if bias else d, dtype=torch.double)
@@ -157,7 +158,7 @@ def test_unfolded_acts(batch, groups, lengths, p, d, lazy, elements, extra, proj
     from one or several calls, some lazy and some not, alone or with a bias-like or dense
     form (mixed kinds), over each norm method: every quantity against the dense gradient, and
     no chunk holding more than ``elements`` numbers (or one sample)."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     lazy[0] = True
     parts, built, expected = [], [], 0
     for length, is_lazy in zip(lengths, lazy):

@@ -273,8 +273,8 @@ def dpsgd_matches_one_process(rank: int, kind: str, loss_type: str) -> None:
                 got, want = (p.to_local(), dim0_shard(q, rank)) if isinstance(p, DTensor) \
                     else (p, q)
                 check_close(got.detach(), want.detach(), f"rank {rank} {kind} DPSGD {step} {n}")
-        with pytest.raises(psh.PerSampleHooksError, match="empty_batch"):
-            mine.step(empty_batch=True)
+        with pytest.raises(psh.PerSampleHooksError, match="forward and backward"):
+            mine.step(empty_batch=True)  # without the empty batch's forward and backward
     one.close()
     mine.close()
 

@@ -111,7 +111,7 @@ def tied_step(unseen: bool, hess: bool = False):
 CHECKED = {
     "compute_grad1": lambda m: psh.compute_grad1(m),
     "compute_norms": lambda m: psh.compute_norms(m),
-    "clip_grads": lambda m: psh.clip_grads(m, max_norm=1.0),
+    "clip_grads": lambda m: psh.clip_grads(m, max_grad_norm=1.0),
     "compute_fisher_diag": lambda m: psh.compute_fisher_diag(m),
     "compute_grad_variance": lambda m: psh.compute_grad_variance(m),
     "compute_gram": lambda m: psh.compute_gram(m),

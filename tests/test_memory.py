@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import loop_grads, weighted_square
+from ground_truth import loop_grads, seeded, weighted_square
 
 STEPS = 1000
 RSS_GROWTH_BOUND_MB = 25.0
@@ -21,6 +22,9 @@ model: ~10 kB) would grow by ~10 MB over 1,000 steps, a leak of one per-sample b
 
 
 def resident_mb() -> float:
+    """The process' resident set (CPU), or the tensor memory of the default CUDA device."""
+    if torch.get_default_device().type == "cuda":
+        return torch.cuda.memory_allocated() / 2**20
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -46,7 +50,7 @@ def train(model: nn.Module, steps: int, generator: torch.Generator, measure_ever
         if step % 2:
             psh.compute_grad1(model)
         else:
-            psh.clip_grads(model, max_norm=1.0)
+            psh.clip_grads(model, max_grad_norm=1.0)
         optimizer.step()
         if measure_every and (step + 1) % measure_every == 0:  # after steps 100, 200, ...
             readings.append(resident_mb())
@@ -58,7 +62,7 @@ def test_thousand_steps_keep_resident_memory_flat():
     settled) to step 1,000 must stay under the bound."""
     torch.manual_seed(0)
     model = small_cnn()
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     with psh.add_hooks(model) as state:
         readings = train(model, STEPS, generator, measure_every=100)
         gc.collect()
@@ -196,7 +200,7 @@ def test_two_threads_each_training_its_own_model():
     def worker(seed: int, width: int) -> None:
         try:
             model = mlp(seed, width)
-            generator = torch.Generator().manual_seed(seed)
+            generator = seeded(seed)
             with psh.add_hooks(model):
                 for step in range(15):
                     checked_step(model, torch.randn(2 + step % 5 + seed, 4, generator=generator,
@@ -236,3 +240,121 @@ def test_deepcopy_of_a_hooked_model_is_an_unhooked_model():
             torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
         with psh.add_hooks(clone):
             checked_step(clone, torch.randn(2, 4).double())
+
+
+# ----------------------------------------------------------------------------- forwards
+# without backward
+
+def held_records(state: psh.HookState) -> tuple[int, int]:
+    """``(records, bytes of their captured tensors)`` the hooks hold."""
+    records = [call for calls in state.calls.values() for call in calls]
+    tensors = {id(t): t for call in records for t in call.args if isinstance(t, torch.Tensor)}
+    return len(records), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_evaluation_forwards_with_grad_enabled_hold_one_forward_at_most(keep_last):
+    """200 forwards with grad enabled and no backward (an evaluation loop that forgot
+    torch.no_grad): a record whose graph is gone unreached is dropped at the next forward, so
+    the hooks hold the records of the forwards whose graphs are alive: the last one or two."""
+    model = small_cnn()
+    with psh.add_hooks(model) as state:
+        one_backward(model)
+        psh.compute_grad1(model)
+        counts, sizes = [], []
+        last = None
+        for _ in range(200):
+            loss = weighted_square(model(torch.randn(64, 1, 6, 6))).mean()
+            if keep_last:
+                last = loss  # the latest graph is alive: its records stay
+            counts.append(held_records(state)[0])
+            sizes.append(held_records(state)[1])
+            del loss
+        one_forward = 3  # one record per hooked module (conv, two Linear)
+        assert max(counts) <= 2 * one_forward, counts
+        assert max(sizes[10:]) == max(sizes[:10]), sizes  # bounded: 200 forwards as 10
+        assert max(sizes) <= 2 * 64 * (36 + 64 + 16) * 4
+        del last
+
+
+def test_unreachable_records_dropped_before_a_training_step_still_give_exact_grad1():
+    """Evaluation forwards (grad enabled) between steps, then a training step: grad1 exact."""
+    torch.manual_seed(0)
+    model = small_cnn().double()
+    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    expected = loop_grads(model, [x], weighted_square, 5)
+    with psh.add_hooks(model) as state:
+        for _ in range(3):
+            weighted_square(model(torch.randn(7, 1, 6, 6, dtype=torch.float64))).sum()
+        model.zero_grad()
+        loss = weighted_square(model(x)).mean()
+        for _ in range(3):  # evaluation forwards after the training forward, before its backward
+            weighted_square(model(torch.randn(7, 1, 6, 6, dtype=torch.float64))).sum()
+        assert held_records(state)[0] <= 2 * 3
+        loss.backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[n], rtol=1e-10, atol=1e-12)
+
+
+def test_two_forwards_then_one_backward_of_the_summed_loss_keeps_both():
+    """Legitimate multi-forward steps: a module applied twice in one forward, and two forwards
+    whose summed loss has one backward; nothing of either is dropped."""
+    from models import AppliedTwice
+    torch.manual_seed(1)
+    model = AppliedTwice(nn.Linear(4, 4)).double()
+    x1, x2 = torch.randn(2, 6, 4, dtype=torch.float64).unbind(0)
+
+    def both(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return weighted_square(model(a)) + weighted_square(model(b))
+    params = dict(model.named_parameters())
+    per_sample = {n: [] for n in params}
+    for i in range(6):
+        grads = torch.autograd.grad(both(x1[i:i + 1], x2[i:i + 1]).sum(), list(params.values()))
+        for n, g in zip(params, grads):
+            per_sample[n].append(g)
+    expected = {n: torch.stack(g) for n, g in per_sample.items()}
+    with psh.add_hooks(model) as state:
+        first = weighted_square(model(x1))
+        for _ in range(3):  # an unrelated forward whose graph dies in between
+            weighted_square(model(torch.randn(3, 4, dtype=torch.float64))).sum()
+        second = weighted_square(model(x2))
+        assert held_records(state)[0] >= 4  # two calls per forward, both forwards alive
+        (first + second).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[n], rtol=1e-10, atol=1e-12)
+
+
+def test_output_edges_warn_when_forwards_without_backward_pile_up():
+    """OutputEdges holds the graphs of its forwards until a backward: it cannot drop them, so it
+    says so once they reach STALE_FACTOR times what a backward used."""
+    from per_sample_hooks.edges import STALE_FACTOR, OutputEdges
+    model = small_cnn()
+    with psh.add_hooks(model):
+        edges = OutputEdges(model)
+        edges.backward(weighted_square(model(torch.randn(4, 1, 6, 6))).mean())
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(STALE_FACTOR - 1):
+                losses.append(weighted_square(model(torch.randn(4, 1, 6, 6))).mean())
+        with pytest.warns(UserWarning, match="torch.no_grad"):
+            losses.append(weighted_square(model(torch.randn(4, 1, 6, 6))).mean())
+        edges.remove()
+
+
+def test_kfac_without_backprop_hess_holds_no_graph_of_evaluation_forwards():
+    model = small_cnn()
+    precond = psh.optim.KFAC(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = model.__dict__["_per_sample_hooks"]
+    for _ in range(2):
+        optimizer.zero_grad()
+        weighted_square(model(torch.randn(8, 1, 6, 6))).mean().backward()
+        precond.step()
+        optimizer.step()
+        for _ in range(50):  # evaluation with grad enabled
+            weighted_square(model(torch.randn(64, 1, 6, 6))).mean().item()
+        assert held_records(state)[0] <= 2 * 3
+    precond.close()

@@ -20,6 +20,10 @@ import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, loop_grads, loop_grads_of, weighted_square
 from per_sample_hooks.dp import DPSGD
 
+OUTSIDE = torch._C._len_torch_function_stack()
+"""Torch function modes active outside the library: torch's device mode under
+``PSH_TEST_DEVICE`` (conftest.py), none otherwise."""
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -320,7 +324,7 @@ class NoModeInside(nn.Linear):
     """A Linear that checks, as it runs, that no torch function mode is active."""
 
     def forward(self, x: Tensor) -> Tensor:
-        assert torch._C._len_torch_function_stack() == 0, "a mode was active in a child"
+        assert torch._C._len_torch_function_stack() == OUTSIDE, "a mode was active in a child"
         return super().forward(x)
 
 
@@ -344,10 +348,10 @@ def test_children_run_without_the_mode_and_an_exception_leaves_none_behind():
         model.fail = True
         with pytest.raises(ValueError, match="boom"):
             model(torch.randn(2, 3, dtype=torch.double))
-        assert torch._C._len_torch_function_stack() == 0
+        assert torch._C._len_torch_function_stack() == OUTSIDE
         model.fail = False
     assert_matches_loop(model, [torch.randn(4, 3)])
-    assert torch._C._len_torch_function_stack() == 0
+    assert torch._C._len_torch_function_stack() == OUTSIDE
 
 
 def test_batch_one_and_batch_dim_one():
@@ -407,7 +411,7 @@ def test_hooked_model_pickles_and_the_copy_is_not_hooked():
         out = model(x)
         for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
             assert torch.equal(copied(x), out)
-            assert torch._C._len_torch_function_stack() == 0
+            assert torch._C._len_torch_function_stack() == OUTSIDE
         out.sum().backward()
         psh.compute_grad1(model)
     assert_matches_loop(copied, [x])

@@ -74,7 +74,7 @@ def test_norms_clipping_and_second_moments(cell, packed, dtype):
         torch.testing.assert_close(gram.double(), flat @ flat.t(), **close)
         model.zero_grad()
         losses(model(*inputs)).mean().backward()
-        psh.clip_grads(model, max_norm=0.5)
+        psh.clip_grads(model, max_grad_norm=0.5)
         coefficients = (0.5 / (total + 1e-6)).clamp(max=1)
         for n, p in model.named_parameters():
             clipped = torch.einsum("b,b...->...", coefficients, expected[n]) / len(total)

@@ -9,7 +9,7 @@ from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop
+from ground_truth import assert_matches_loop, seeded
 
 
 class TiedLinears(nn.Module):
@@ -54,7 +54,7 @@ class TiedToFallback(nn.Module):
 
 
 def cases():
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     return {
         "linears": (TiedLinears, lambda: [torch.randn(5, 3, 4, generator=g)]),
         "embedding-and-output": (lambda: TiedLanguageModel(vocab=13, dim=8, heads=2, length=5),
@@ -71,7 +71,7 @@ def test_norms_and_clipping_of_a_shared_parameter(case, loss_type):
     model, x = make(), inputs()
     assert_matches_loop(model, x, loss_type=loss_type)
     assert_norms_match(model, x, loss_type=loss_type)
-    assert_clipping_matches(model, x, max_norm=0.3, loss_type=loss_type)
+    assert_clipping_matches(model, x, max_grad_norm=0.3, loss_type=loss_type)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -14,6 +14,7 @@ from norms_truth import loop_clipped
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
+from ground_truth import seeded
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,7 +91,7 @@ def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Tensor]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = make().to(dtype)
-    return model.train(), batch(torch.Generator().manual_seed(1))
+    return model.train(), batch(seeded(1))
 
 
 def sample(batch: dict[str, Tensor], i: int) -> dict[str, Tensor]:
@@ -162,7 +163,7 @@ def test_grad1_norms_clip_match_the_loop(name: str, dtype: torch.dtype) -> None:
         got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
         norms = psh.compute_norms(model)
         per_param = psh.compute_norms(model, per_param=True)
-        clipped_norms = psh.clip_grads(model, max_norm=0.5)
+        clipped_norms = psh.clip_grads(model, max_grad_norm=0.5)
         clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         state = psh.add_hooks(model)
         assert not state.units, "a native rule for each module"

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop
+from ground_truth import assert_matches_loop, seeded
 from per_sample_hooks.capture import get_state
 from per_sample_hooks.unseen import recompute_gradient
 
@@ -35,7 +35,7 @@ class TiedLanguageModel(nn.Module):
 
 
 def tokens(batch=5, length=4, vocab=11):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, vocab, (batch, length), generator=seeded(1))
 
 
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])

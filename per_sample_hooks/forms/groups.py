@@ -1,0 +1,121 @@
+"""Groups of rows: the batch's rows (samples as the hooks see them) gathered into groups whose
+gradient is the *mean* of their rows' gradients (augmentation multiplicity: the K augmented
+copies of one example; user-level DP: all rows of one user).
+
+A group's gradient is again a form, built without per-row gradients: an :class:`~.core.Outer`
+of a group is the Outer of its rows with their positions concatenated (``sum_r G_r^T A_r`` is
+one product over all the rows' positions), :class:`~.core.Rows` entries move to their row's
+group, :class:`~.core.Dense` per-row tensors are summed. Norms of the regrouped forms therefore
+carry every cross term between a group's rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .core import Dense, Form, Outer, Rows, Unfolded, features
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """On the CPU (moved where a form needs them): ``ids [B]``: each row's group in
+    ``0..count-1``; ``index [count, K]``: the rows of each group (``K`` the largest group),
+    padded with ``B`` (a zero row); ``weights [B]``: ``1 / size`` of each row's group (the
+    mean); ``contiguous``: group ``g`` is rows ``gK..gK+K-1``."""
+    ids: Tensor
+    index: Tensor
+    weights: Tensor
+    contiguous: bool
+
+    @property
+    def count(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+
+def row_groups(groups: Tensor | int, batch: int, caller: str) -> RowGroups:
+    """:class:`RowGroups` from ``groups``: an int ``K`` (rows ``gK..gK+K-1`` form group ``g``, a
+    ``[B // K, K]`` layout of the batch) or a ``[B]`` integer tensor of group ids (any values;
+    groups numbered by sorted id)."""
+    if isinstance(groups, bool) or not isinstance(groups, (int, Tensor)):
+        raise TypeError(f"{caller}: groups must be an int K (groups of K consecutive rows) or a "
+                        f"[batch] tensor of integer group ids, got {type(groups).__name__}")
+    if isinstance(groups, int):
+        if groups < 1 or batch % groups:
+            raise ValueError(f"{caller}: groups={groups} consecutive rows must divide the batch "
+                             f"of {batch} rows")
+        rows = torch.arange(batch, device="cpu")
+        weights = torch.full((batch,), 1.0 / groups, dtype=torch.float64, device="cpu")
+        return RowGroups(rows // groups, rows.view(-1, groups), weights, True)
+    if groups.dim() != 1 or groups.shape[0] != batch or groups.is_floating_point() \
+            or groups.is_complex() or groups.dtype == torch.bool:
+        raise ValueError(f"{caller}: groups must be a 1-D integer tensor with one group id per "
+                         f"row ({batch} rows), got dtype {groups.dtype}, shape "
+                         f"{tuple(groups.shape)}")
+    _, ids, sizes = torch.unique(groups.cpu(), return_inverse=True, return_counts=True)
+    order = torch.sort(ids, stable=True).indices
+    starts = torch.cumsum(sizes, 0) - sizes
+    position = torch.arange(batch, device="cpu") - starts[ids[order]]
+    index = torch.full((len(sizes), int(sizes.max()) if batch else 0), batch, dtype=torch.long,
+                       device="cpu")
+    index[ids[order], position] = order
+    contiguous = bool((sizes == sizes[0]).all()) and torch.equal(
+        index.flatten(), torch.arange(batch, device="cpu")) if batch else True
+    return RowGroups(ids, index, 1.0 / sizes[ids].double(), contiguous)
+
+
+def _gather(t: Tensor, groups: RowGroups, count: int | None = None) -> Tensor:
+    """``[B, Gr, T, f]`` -> ``[count, Gr, K * T, f]``: each group's rows' positions side by
+    side (padding rows zero); of ``count`` consecutive groups' rows when contiguous."""
+    rows, gr, positions, f = t.shape
+    count = groups.count if count is None else count
+    if groups.contiguous:
+        stacked = t.reshape(count, -1, gr, positions, f)
+    else:
+        stacked = torch.cat([t, t.new_zeros(1, gr, positions, f)])[groups.index.to(t.device)]
+    return stacked.transpose(1, 2).reshape(count, gr, -1, f)
+
+
+def _gathered_build(acts: Unfolded, groups: RowGroups) -> Unfolded:
+    """Lazily built activations of groups ``start:stop``: their rows' patches built at once
+    (rows ``lo:hi`` spanning them), gathered."""
+    def build(start: int, stop: int) -> Tensor:
+        if groups.contiguous:  # a view of the rows' patches (for one conv group)
+            return _gather(acts.build(start * groups.index.shape[1],
+                                      stop * groups.index.shape[1]), groups, stop - start)
+        index = groups.index[start:stop]
+        valid = index < groups.rows
+        lo, hi = int(index[valid].min()), int(index[valid].max()) + 1
+        chunk = acts.build(lo, hi)
+        local = torch.where(valid, index - lo, hi - lo).to(chunk.device)
+        padded = torch.cat([chunk, chunk.new_zeros(1, *chunk.shape[1:])])[local]
+        return padded.transpose(1, 2).reshape(stop - start, chunk.shape[1], -1, chunk.shape[3])
+    return Unfolded(build, features(acts), acts.elements)
+
+
+def regroup(form: Form, groups: RowGroups) -> Form:
+    """The form of each group's gradient, the mean of its rows' (``count`` samples)."""
+    if isinstance(form, Dense):
+        weights = groups.weights.to(form.per_sample)
+        rows = form.per_sample * weights.view(-1, *[1] * (form.per_sample.dim() - 1))
+        summed = rows.new_zeros(groups.count, *rows.shape[1:])
+        return Dense(summed.index_add_(0, groups.ids.to(rows.device), rows))
+    if isinstance(form, Rows):
+        ids, weights = groups.ids.to(form.samples.device), groups.weights.to(form.values)
+        return Rows(ids[form.samples], form.rows, form.values * weights[form.samples, None],
+                    form.num_rows)
+    weights = groups.weights.to(form.grads)
+    grads = _gather(form.grads * weights.view(-1, 1, 1, 1), groups)
+    if form.acts is None:
+        return Outer(grads, None, form.block)
+    acts = _gathered_build(form.acts, groups) if isinstance(form.acts, Unfolded) else \
+        _gather(form.acts, groups)
+    return Outer(grads, acts, form.block)
+
+
+__all__ = ["RowGroups", "row_groups", "regroup"]
