@@ -348,7 +348,8 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
     # in an order that every rank follows (an empty batch's too)
     grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
-                         step.batch_size, loss_type == "mean", _grad_target)
+                         step.batch_size if rows is None else rows.count, loss_type == "mean",
+                         _grad_target)
     shared = shared_parameters(step)
     layers = step.layers
     if release_records:  # the largest new p.grad last, when the fewest records are left

@@ -63,16 +63,10 @@ def mesh_all_reduce(t: Tensor, mesh: object) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
 
 
-def local_shard(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's part of ``full`` in the layout of the DTensor ``like`` (a view where the
-    layout allows; no communication)."""
-    return distribute_tensor(full, like.device_mesh, like.placements,
-                             src_data_rank=None).to_local()
-
-
 def like(full: Tensor, p: Tensor) -> Tensor:
     """``full`` (``p``'s global shape, the same on every rank) in ``p``'s layout: this rank's
-    shard as a DTensor for a sharded ``p``, ``full`` itself otherwise."""
+    shard as a DTensor for a sharded ``p`` (its local tensor a view of ``full`` where the
+    layout allows; no communication), ``full`` itself otherwise."""
     if not is_sharded(p):
         return full
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
@@ -132,9 +126,10 @@ class ShardedGrads:
     :meth:`publish` sums over the mesh (one all-reduce per call) and cuts to ``p.grad``'s
     shard. Every rank must publish the same parameters in the same order.
 
-    ``batch_size``: the local one; with sharded parameters the global one is summed over the
-    mesh once here, and a mean loss's local mean is rescaled to a share of the global mean
-    (``B_local / B_global``), so that ``p.grad`` ends as the mean over the global batch."""
+    ``batch_size``: the local number of clipped samples (groups of rows); for a mean loss
+    with sharded parameters the global one is summed over the mesh once here, and the local
+    mean is rescaled to its share of the global mean (``B_local / B_global``), so that
+    ``p.grad`` ends as the mean over the global batch."""
 
     def __init__(self, params: Iterable[Tensor], batch_size: int, mean: bool,
                  plain_target: Callable[[Tensor], Tensor]):
@@ -143,14 +138,12 @@ class ShardedGrads:
         sharded = [p for p in params if is_sharded(p)]
         self.mesh = sharded[0].device_mesh if sharded else None
         self.scale = 1.0
-        self.global_batch_size = batch_size
-        if self.mesh is not None:
+        if self.mesh is not None and mean:
             count = torch.tensor([float(batch_size)], dtype=torch.float64,
                                  device=sharded[0].to_local().device)
             mesh_all_reduce(count, self.mesh)
-            self.global_batch_size = int(round(float(count)))
-            if mean and self.global_batch_size > 0:
-                self.scale = batch_size / self.global_batch_size
+            if float(count) > 0:
+                self.scale = batch_size / float(count)
 
     def target(self, p: Tensor) -> Tensor:
         """The tensor to write ``p``'s clipped sum into (overwritten, not accumulated)."""
@@ -186,8 +179,8 @@ class ShardedGrads:
             offset += p.numel()
             if p.grad is None or not is_sharded(p.grad) or p.grad.placements != p.placements:
                 p.grad = torch.zeros_like(p)
-            p.grad.to_local().copy_(local_shard(full, p))
+            p.grad.to_local().copy_(like(full, p).to_local())
 
 
-__all__ = ["is_sharded", "sharded_parameters", "ShardedGrads", "full_zeros", "like",
-           "local_shard", "mesh_all_reduce", "with_full_values"]
+__all__ = ["is_sharded", "sharded_parameters", "contains_fsdp_unit", "ShardedGrads", "full_zeros",
+           "like", "mesh_all_reduce", "with_full_values"]
