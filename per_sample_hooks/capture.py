@@ -345,9 +345,9 @@ class HookState:
         self.storage = Buffers()
         self.enabled = True
         self.unseen: Any = None  # the unseen-use check; opaque to capture
-        # id(full stand-in) -> the FSDP2-sharded parameter it stands in for, during a compute_*
-        # call that gives the modules whose rules read parameter values their full values
-        self.sharded_of: dict[int, Tensor] = {}
+        # during a compute_* call that gives the modules whose rules read parameter values their
+        # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
+        self.sharded_of: dict[int, Tensor] | None = None
         self.broadcast = True  # expand calls of batch 1 to the step's batch
         # step status, changed through end_step / release_records / the hooks
         self.consumed = False  # a compute_* call ended the step: the next forward starts anew

@@ -93,31 +93,49 @@ Verb = TypeVar("Verb", bound=Callable)
 def with_full_values(verb: Verb) -> Verb:
     """Decorator of a ``compute_*`` function whose first argument is the model: on an FSDP2
     model, each hooked module whose rule reads parameter values (the torch.func fallback,
-    attention, recurrent layers) holds its full parameters for the length of the call, as in
-    its forward: all-gathered (every rank, in hooked order: every rank must make the call,
-    an empty local batch included), swapped in, swapped back. The step still sees the sharded
-    parameters (``HookState.sharded_of``), so gradients are written to their shards."""
+    attention, recurrent layers) holds its full parameters from the call's ``prepare_step``
+    (:func:`swap_in_full_values`: all-gathered on every rank, so every rank must make the call,
+    an empty local batch included) to its end, as in its forward. What the call resolves
+    before (``max_grad_norm`` groups) and the step see the sharded parameters, so gradients
+    are written to their shards."""
     @functools.wraps(verb)
     def call(model: nn.Module, *args, **kwargs):
         state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
-        readers = _value_readers(state) if state is not None and DTensor is not None else {}
-        if not readers:
+        if state is None or DTensor is None or state.sharded_of is not None:  # or nested
             return verb(model, *args, **kwargs)
-        with torch.no_grad():
-            stand_ins = {key: nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
-                         for key, (p, _) in readers.items()}
-        for key, (p, owners) in readers.items():
-            state.sharded_of[id(stand_ins[key])] = p
-            for owner, name in owners:  # setattr: nn.RNN's flat weights follow
-                setattr(owner, name, stand_ins[key])
+        state.sharded_of = {}
         try:
             return verb(model, *args, **kwargs)
         finally:
-            for p, owners in readers.values():
-                for owner, name in owners:
-                    setattr(owner, name, p)
-            state.sharded_of.clear()
+            _swap_back(state)
     return call
+
+
+def swap_in_full_values(state: HookState) -> None:
+    """Inside a :func:`with_full_values` call (once): replace each sharded parameter of a
+    hooked module whose rule reads parameter values by a full stand-in (``setattr``, so that
+    ``nn.RNN``'s flat weights follow), recorded in ``state.sharded_of``."""
+    if state.sharded_of is None or state.sharded_of:
+        return
+    readers = _value_readers(state)
+    with torch.no_grad():
+        for p, owners in readers.values():
+            stand_in = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+            state.sharded_of[id(stand_in)] = p
+            for owner, name in owners:
+                setattr(owner, name, stand_in)
+
+
+def _swap_back(state: HookState) -> None:
+    """The sharded parameters back in place of their stand-ins; outside a gathering call."""
+    stand_ins, state.sharded_of = state.sharded_of or {}, None
+    if not stand_ins:
+        return
+    for module in state.modules:
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None and id(p) in stand_ins:
+                    setattr(owner, name, stand_ins[id(p)])
 
 
 class ShardedGrads:
@@ -183,4 +201,4 @@ class ShardedGrads:
 
 
 __all__ = ["is_sharded", "sharded_parameters", "contains_fsdp_unit", "ShardedGrads", "full_zeros",
-           "like", "mesh_all_reduce", "with_full_values"]
+           "like", "mesh_all_reduce", "with_full_values", "swap_in_full_values"]

@@ -21,7 +21,7 @@ from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
-from .sharded import contains_fsdp_unit, is_sharded
+from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
 from .unseen import N_PROBES, HookedSums
 
 LossType = Literal["mean", "sum"]
@@ -86,6 +86,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
     if loss_type not in ("mean", "sum"):
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)
+    swap_in_full_values(state)  # FSDP2, in a call that gathers them (every rank, collective)
     if state.forward_after_backward is not None:
         state.end_step()  # this step is lost; the next forward starts a new one
         raise PerSampleHooksError(

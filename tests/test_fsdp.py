@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from norms_truth import loop_clipped
+from norms_truth import loop_clipped, loop_grouped_clipping
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -248,6 +248,31 @@ def clipping_steps(rank: int, kind: str, loss_type: str) -> None:
         check_close(full.detach(), q.detach(), f"rank {rank} parameters {n}")
 
 
+def grouped_clipping_matches_one_process(rank: int, loss_type: str) -> None:
+    """Per-module thresholds (one on a unit, one on a module whose rule reads parameter
+    values) and groups of rows (pairs of a rank's rows) through ``distributed.clip_grads``."""
+    reference, model = make_pair("mixer")
+    limits = [(model.embed, 0.02), (model.block, 0.05), (model.head, 0.03)]
+    group_of = {n: ["embed", "block", "head"].index(n.split(".")[0])
+                for n, _ in reference.named_parameters()}
+    with psh.add_hooks(model, check_unseen=False):
+        for step, sizes in enumerate(STEP_SHARDS):
+            x = global_batch("mixer", step)
+            ids = torch.cat([torch.arange(n) // 2 + 100 * r for r, n in enumerate(sizes)])
+            grads, _ = loop_truth(reference, x)
+            total, _, expected = loop_grouped_clipping(grads, group_of, [0.02, 0.05, 0.03], ids,
+                                                       loss_type)
+            model.zero_grad(set_to_none=True)
+            loss_of(model, shard(x, rank, step), loss_type).backward()
+            norms = psh.distributed.clip_grads(model, limits, loss_type,
+                                               groups=shard(ids, rank, step))
+            counts = [(n + 1) // 2 for n in sizes]
+            check_close(norms, total[sum(counts[:rank]):sum(counts[:rank + 1])],
+                        f"rank {rank} step {step} group norms")
+            for n, p in model.named_parameters():
+                check_sharded_grad(p, expected[n], rank, f"rank {rank} step {step} grouped {n}")
+
+
 def dpsgd_matches_one_process(rank: int, kind: str, loss_type: str) -> None:
     """DPSGD on the sharded model (per rank: half the dataset, half the expected batch) vs
     DPSGD in one process on the global batch; rank 0's generator is the one process's."""
@@ -327,6 +352,7 @@ def worker(rank: int, init_file: str, errors: str) -> None:
             for loss_type in ("mean", "sum"):
                 clipping_steps(rank, kind, loss_type)
             dpsgd_matches_one_process(rank, kind, "mean")
+        grouped_clipping_matches_one_process(rank, "mean")
         per_sample_and_clipping(rank, "net", torch.float32)
         dpsgd_matches_one_process(rank, "net", "sum")
         refusals(rank)
