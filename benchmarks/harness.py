@@ -164,7 +164,8 @@ class MemoryReport:
         return max(0.0, self.peak_mib - self.setup_mib)
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM), None where not available."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -175,7 +176,7 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
     """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where not possible."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -190,11 +191,11 @@ def _child_main(spec: str, method: str, kwargs: dict, steps: int, threads: int) 
     module_name, function = spec.split(":")
     methods = getattr(importlib.import_module(module_name), function)(**kwargs)
     gc.collect()
-    setup_kib = _status_kib("VmRSS") or 0
-    can_reset = _reset_peak()
+    setup_kib = status_kib("VmRSS") or 0
+    can_reset = reset_peak()
     for _ in range(steps):
         methods[method]()
-    peak_kib = _status_kib("VmHWM") if can_reset else None
+    peak_kib = status_kib("VmHWM") if can_reset else None
     if peak_kib is None:  # ru_maxrss: peak of the whole process life, setup included
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"setup_kib": setup_kib, "peak_kib": peak_kib}

@@ -17,6 +17,7 @@ from .rules import RuleRegistry, default_registry
 from .rules.base import KeptGrads
 from .rules.fallback import FallbackRule
 from .rules.raw_parameters import RawParameterRule
+from .sharded import with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -258,6 +259,7 @@ def clear_backprops(model: nn.Module) -> None:
     get_state(model).clear()
 
 
+@with_full_values
 @torch.no_grad()
 def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     """Set ``p.grad1`` (``[B, *p.shape]``) on every trainable parameter of hooked modules.

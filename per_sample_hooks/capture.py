@@ -318,7 +318,8 @@ class HookState:
     ``observed``: modules captured even when none of their parameters is trainable (the others
     capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
     ``(module, call) -> batch size`` of a call (raises when it cannot tell).
-    Written outside this file: ``enabled`` (pausing capture), ``unseen`` and ``broadcast``
+    Written outside this file: ``enabled`` (pausing capture), ``unseen``, ``sharded_of`` and
+    ``broadcast``
     (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``watchers`` and ``on_capture``
     (add-ons' callbacks).
 
@@ -344,6 +345,9 @@ class HookState:
         self.storage = Buffers()
         self.enabled = True
         self.unseen: Any = None  # the unseen-use check; opaque to capture
+        # during a compute_* call that gives the modules whose rules read parameter values their
+        # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
+        self.sharded_of: dict[int, Tensor] | None = None
         self.broadcast = True  # expand calls of batch 1 to the step's batch
         # step status, changed through end_step / release_records / the hooks
         self.consumed = False  # a compute_* call ended the step: the next forward starts anew

@@ -114,6 +114,7 @@ from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares
 from .rules.base import Rule, split_passes
 from .rules.formed import FormedRule
+from .sharded import full_zeros, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -281,7 +282,7 @@ def _squares(layer: LayerWork, names: list[str], batch: int, factor: float
              ) -> dict[str, Tensor]:
     """``{name: factor * sum_{passes, i} g_i^2}`` for ``names`` of ``layer`` (``g_i`` as
     captured), from the forms (``forms.second_order.add_squares``)."""
-    totals = {n: torch.zeros_like(layer.parameters[n]) for n in names}
+    totals = {n: full_zeros(layer.parameters[n]) for n in names}
     for forms in _pass_forms(layer, names):
         for name, total in totals.items():
             add_squares(total, forms[name], batch)
@@ -311,7 +312,7 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     for layer in _curvature_layers(model_step):
         passes = _pass_forms(layer, list(layer.parameters))
         for name, p in layer.parameters.items():
-            block = p.new_zeros((p.numel(), p.numel()))
+            block = torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
             buffer = p.new_empty((model_step.batch_size, *p.shape))
             for forms in passes:
                 add_gauss_newton(block, forms[name], buffer, model_step.scale)
@@ -369,6 +370,7 @@ def _kronecker_structure(rule: Rule) -> Literal["outer", "rows"] | None:
     return "rows" if rule.one_hot_rows else None
 
 
+@with_full_values
 @torch.no_grad()
 def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossType = "mean", *,
                  unsupported: KFACUnsupported = "diagonal") -> KFACFactors:
@@ -466,7 +468,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
             totals = _squares(layer, list(layer.parameters), step.batch_size,
                               step.scale * step.scale)
         else:
-            totals = {n: torch.zeros_like(p) for n, p in layer.parameters.items()}
+            totals = {n: full_zeros(p) for n, p in layer.parameters.items()}
         for local, total in totals.items():
             result[names[id(layer)][local]] = total
     return result
@@ -487,7 +489,8 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
     for layer in step.layers:
         if not layer.calls or not layer.parameters:
             continue
-        out = {n: torch.empty_like(p) for n, p in layer.parameters.items()}
+        out = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device)
+               for n, p in layer.parameters.items()}
         first = next(iter(out.values()))
         weights = torch.full((batch,), step.scale / max(batch, 1), dtype=first.dtype,
                              device=first.device)
@@ -517,7 +520,8 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
         for forms in _pass_forms(layer, list(layer.parameters)):
             for name, p in layer.parameters.items():
                 if total is None:
-                    total = p.new_zeros((step.batch_size, step.batch_size))
+                    total = torch.zeros((step.batch_size, step.batch_size), dtype=p.dtype,
+                                        device=p.device)
                 add_gram(total, forms[name], p.shape, step.batch_size)
     if total is None:
         return torch.zeros(step.batch_size, step.batch_size)

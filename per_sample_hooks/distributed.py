@@ -44,7 +44,37 @@ each; ``gloo`` on CPU, ``nccl`` on GPUs)::
     ddp = DistributedDataParallel(model)            # device_ids=[LOCAL_RANK] on GPUs
     ... the loop above ...
 
-On one machine ``torchrun --standalone --nproc_per_node=2 train.py``. The tests
+**FSDP2** (``torch.distributed.fsdp.fully_shard``: each parameter a DTensor sharded on dim 0,
+full only inside the forward and backward). Hook the sharded model with
+``add_hooks(model, check_unseen=False)`` (the unseen-use check cannot see FSDP2's gradients:
+run it once on the unsharded model). Per-sample gradients, norms and KFAC factors are plain
+full-shape tensors of each rank's own samples, as under DDP (KFAC: :func:`all_reduce_kfac`).
+``clip_grads`` (this module's or :func:`per_sample_hooks.clip_grads`) leaves each rank's
+``p.grad`` as its shard of the clipped mean over the global batch: each layer's clipped sum is
+summed over the mesh (one all-reduce per layer, the full gradient of one layer at a time) and
+cut to the shard. FSDP2's own reduce-scatter of the unclipped gradient is wasted work that is
+overwritten; ``DPSGD`` avoids it with its output-edge backward (no parameter gradient, so FSDP2
+reduces nothing; measured in ``benchmarks/distributed.py``). ``set_requires_gradient_sync(False)``
+is not the way: FSDP2 then keeps the full unsharded gradients between steps. Layers whose rule
+reads the parameter values (the torch.func fallback, attention, recurrent layers) get them
+all-gathered by ``compute_grad1``, ``compute_norms``, ``clip_grads`` and ``compute_kfac`` for
+the length of the call (:func:`per_sample_hooks.sharded.with_full_values`; the other
+``compute_*`` refuse them), as long as ``fully_shard`` was applied to a module containing
+them (their transformer block), not to them: FSDP2's hooks would spoil the re-run (refused
+with a clear error). Parameters left out of the sharding (``ignored_params``) are whole on
+every rank; their clipped sums are all-reduced here. Every rank runs every step's forward,
+backward and ``clip_grads`` (which communicates), and, with such layers, every
+``compute_*`` call, an empty local batch included::
+
+    mesh = init_device_mesh("cpu", (world_size,))          # "cuda" on GPUs
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    psh.add_hooks(model, check_unseen=False)
+    dp = psh.DPSGD(model, optimizer, ..., dataset_size=len(my_shard), batch_size=per_rank)
+
+On one machine ``torchrun --standalone --nproc_per_node=2 train.py``;
+``examples/dp_distributed.py`` is such a script (``--fsdp`` for FSDP2). The tests
 (``tests/test_distributed.py``) start 2 processes with ``torch.multiprocessing`` and a file
 rendezvous instead, loopback only.
 """
@@ -62,6 +92,7 @@ from .clipping import MaxGradNorm, threshold_argument
 from .curvature import KFACFactors
 from .errors import PerSampleHooksError
 from .norms import clip_grads as clip_grads_local
+from .sharded import is_sharded
 
 
 def _no_communication(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
@@ -158,9 +189,13 @@ def reduce_clipped(grads: list[Tensor], local_batch: int, loss_type: LossType,
 
 
 def trainable_grads(model: nn.Module) -> list[Tensor]:
-    """``p.grad`` of every trainable parameter (zeros where there is none), in model order."""
+    """``p.grad`` of every trainable parameter (zeros where there is none), in model order;
+    not of the sharded (FSDP2) ones, whose clipped sums ``clip_grads`` sums over the ranks
+    itself."""
     grads = []
     for p in _trainable(model):
+        if is_sharded(p):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
@@ -186,7 +221,12 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`,
     whose ``max_grad_norm`` and ``groups`` this takes; ``max_norm`` is the deprecated name of
     ``max_grad_norm``), then one all-reduce of the clipped sums and the batch sizes. Returns
-    the local (unclipped) norms ``[B_local]``."""
+    the local (unclipped) norms ``[B_local]``.
+
+    On an FSDP2 (``fully_shard``) model each rank's ``p.grad`` becomes its shard of that
+    gradient: :func:`per_sample_hooks.clip_grads` already sums each layer's clipped sum over
+    the ranks (one all-reduce per layer, over the parameters' device mesh, not ``group``) as
+    it writes it; here one more all-reduce gives the global batch size."""
     max_grad_norm = threshold_argument(max_grad_norm, max_norm, "distributed.clip_grads")
     return clip_and_reduce(model, max_grad_norm, loss_type, group, groups=groups)[0]
 
@@ -206,7 +246,9 @@ def broadcast_noise(shapes: list[tuple[torch.Size, torch.dtype]], std: float,
         noises = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     if not noises:
         return noises
-    flat = torch.cat([n.reshape(-1).double() for n in noises])
+    dtypes = {n.dtype for n in noises}  # one broadcast, in float64 only for mixed dtypes
+    common = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    flat = torch.cat([n.reshape(-1).to(common) for n in noises])
     dist.broadcast(flat, src=src, group=group)
     offset, out = 0, []
     for n in noises:

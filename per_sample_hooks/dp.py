@@ -48,6 +48,7 @@ from .edges import OutputEdges
 from .errors import PerSampleHooksError
 from .noise import FlatBuffers, GaussianNoise, gaussian_, noise_generator
 from .norms import clip_grads
+from .sharded import like, sharded_parameters
 from .step import LossType
 
 Sampling = Literal["poisson", "fixed"]
@@ -257,6 +258,11 @@ class DPSGD:
     backward and ``step()`` of every step, an empty local batch included (a ``[0, ...]``
     tensor): DDP needs all ranks in each forward, ``step`` in each all-reduce.
 
+    With an FSDP2 (``fully_shard``) model, the same, except that the backward is the output-edge
+    one (no parameter gradient: FSDP2 reduces nothing), each layer's clipped sum is summed over
+    the ranks into the shards of ``p.grad``, and the noise (drawn on rank 0, broadcast) is cut
+    to each rank's shard (:mod:`per_sample_hooks.distributed`).
+
     Per-group (per-layer) clipping: ``max_grad_norm`` as groups of parameters with a threshold
     each (:func:`~per_sample_hooks.clip_grads`); the noise is then
     ``N(0, (noise_multiplier * sqrt(sum_k C_k^2))^2)``, ``sqrt(sum_k C_k^2)`` being the norm
@@ -312,8 +318,9 @@ class DPSGD:
         self.generator, self.secure_rng = generator, secure_rng
         self.steps = 0
         self.output_edges = OutputEdges(model, form_on_arrival=True)
-        self.distributed = isinstance(model, nn.parallel.DistributedDataParallel)
-        if self.distributed:
+        self.ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self.distributed = self.ddp or bool(sharded_parameters(model))  # DDP or FSDP2
+        if self.ddp:
             distributed.skip_gradient_allreduce(model)
         params = self._parameters()
         self._noise = GaussianNoise(
@@ -397,7 +404,7 @@ class DPSGD:
         (:mod:`per_sample_hooks.unseen`: the first, every new captured structure, a sample of
         the rest) and under DDP (whose reducer expects every parameter's gradient; its
         all-reduce is off), an ordinary ``loss.backward()``."""
-        if self.distributed:
+        if self.ddp:
             self.output_edges.clear()
             loss.backward()
             return
@@ -415,6 +422,14 @@ class DPSGD:
         """Clip this (micro-)batch (its groups of rows with ``groups``): ``p.grad * scale``
         becomes its clipped sum (over every rank under DDP). Returns the (unclipped) local
         norms and ``scale``."""
+        if empty_batch and self.distributed and not self.ddp:  # FSDP2: sums layer by layer
+            if not self._backward_pending():
+                raise PerSampleHooksError(
+                    "DPSGD.step on an FSDP2 (fully_shard) model: every rank must run the "
+                    "forward and backward of its local batch, an empty one included (a "
+                    "[0, ...] tensor), before step(): the clipped sums are summed over the "
+                    "ranks layer by layer")
+            empty_batch = False  # the empty backward's zeros go through clip_grads
         if empty_batch:
             clear_backprops(self.model)  # a backward of the empty batch, if any, is spent
             norms, actual = torch.zeros(0), 0
@@ -507,8 +522,8 @@ class DPSGD:
         if self.distributed:
             for flat in self._noise.buffers.flats.values():
                 dist.broadcast(flat, src=0)
-        for p, n in zip(params, noise):
-            p.grad.add_(n, alpha=std)
+        for p, n in zip(params, noise):  # FSDP2: this rank's shard of the full draw
+            p.grad.add_(like(n, p), alpha=std)
         if drawing:
             self._noise.draw_ahead()
 

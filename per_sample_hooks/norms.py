@@ -20,6 +20,7 @@ from .clipping import MaxGradNorm, Thresholds, check_max_norm, threshold_argumen
 from .errors import PerSampleHooksError
 from .forms.groups import RowGroups, regroup, row_groups
 from .rules.base import KeptGrads, contract_samples
+from .sharded import ShardedGrads, is_sharded, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -52,7 +53,8 @@ def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None,
         return {}
     if not layer.calls:  # the module's output did not reach the loss
         p = next(iter(layer.parameters.values()))
-        zeros = p.new_zeros(step.batch_size if rows is None else rows.count)
+        zeros = torch.zeros(step.batch_size if rows is None else rows.count, dtype=p.dtype,
+                            device=p.device)  # plain, also for a DTensor (FSDP2) parameter
         return dict.fromkeys(names, zeros)
     if rows is not None:  # each group's gradient, the mean of its rows', from the forms
         parts = layer.rule.forms(layer.module, layer.calls, names)
@@ -93,7 +95,8 @@ def _per_parameter_squared(model: nn.Module, step: Step, keep: KeptGrads | None 
     for uses in shared.values():
         layer, local = uses[0]
         if not any(w.calls for w, _ in uses):
-            squared = layer.parameters[local].new_zeros(batch)
+            p = layer.parameters[local]  # plain zeros, also for a DTensor (FSDP2) parameter
+            squared = torch.zeros(batch, dtype=p.dtype, device=p.device)
         elif rows is not None:
             squared = _grouped_norms_squared(shared_forms(uses), rows, step)
         else:
@@ -132,6 +135,7 @@ def _check_finite(norms: Tensor, squared: dict[str, Tensor], caller: str) -> Non
         "those inputs and the loss (overflow, log of zero, NaN in the data)")
 
 
+@with_full_values
 @torch.no_grad()
 def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False, *,
                   groups: Tensor | int | None = None) -> Tensor | dict[str, Tensor]:
@@ -164,8 +168,8 @@ def _empty_batch_norms(model: nn.Module, step: Step, per_param: bool
                        ) -> Tensor | dict[str, Tensor]:
     """Norms of an empty batch: ``[0]`` tensors (per parameter with ``per_param``)."""
     names = parameter_names(model, step)
-    empty = {names[id(layer)][local]: p.new_zeros(0) for layer in step.layers
-             for local, p in layer.parameters.items()}
+    empty = {names[id(layer)][local]: torch.zeros(0, dtype=p.dtype, device=p.device)
+             for layer in step.layers for local, p in layer.parameters.items()}
     if per_param:
         return empty
     return next(iter(empty.values()), torch.zeros(0))
@@ -181,7 +185,9 @@ def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
     covered = {id(p) for layer in step.layers for p in layer.parameters.values()}
     for layer in step.layers:
         for local, p in layer.parameters.items():
-            if not layer.calls and p.grad is not None and bool(p.grad.any()):
+            # a sharded p.grad (FSDP2) holds the other ranks' gradients too: not checked
+            if not layer.calls and p.grad is not None and not is_sharded(p) \
+                    and bool(p.grad.any()):
                 raise PerSampleHooksError(
                     f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero gradient "
                     "but its module's output did not reach the loss in this step: either the "
@@ -242,6 +248,20 @@ def _grad_target(p: nn.Parameter) -> Tensor:
     return g
 
 
+def _write_zeros(layers: list[LayerWork], shared: dict, grads: ShardedGrads) -> None:
+    """The clipped sum of an empty batch, zeros, written (and published) in the order of
+    :func:`clip_grads`'s: parameters of several modules first, then layer by layer."""
+    for uses in shared.values():
+        layer, local = uses[0]
+        grads.target(layer.parameters[local]).zero_()
+        grads.publish([layer.parameters[local]])
+    for layer in layers:
+        own = [p for p in layer.parameters.values() if id(p) not in shared]
+        for p in own:
+            grads.target(p).zero_()
+        grads.publish(own)
+
+
 def _group_coefficients(model: nn.Module, step: Step, squared: dict[str, Tensor],
                         norms: Tensor, limits: Thresholds, caller: str) -> list[Tensor]:
     """Clipping coefficients ``[B]`` of each parameter group, from the norm of each sample's
@@ -282,6 +302,7 @@ def _row_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
     return per_group[rows.ids.to(per_group.device)] * rows.weights.to(per_group)
 
 
+@with_full_values
 @torch.no_grad()
 def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
@@ -317,15 +338,24 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     norms formed its per-sample gradients keeps them (up to the size of its records) and drops
     its records right away, its clipped sum then a contraction.
     """
-    limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 4),
+    # stacklevel 5: threshold_argument, this, torch.no_grad's and with_full_values' wrappers,
+    # then the caller
+    limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
                         "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
     _check_coverage(model, step, "clip_grads")
     rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
+    # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
+    # in an order that every rank follows (an empty batch's too)
+    grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
+                         step.batch_size if rows is None else rows.count, loss_type == "mean",
+                         _grad_target)
+    shared = shared_parameters(step)
+    layers = step.layers
+    if release_records:  # the largest new p.grad last, when the fewest records are left
+        layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     if step.batch_size == 0:  # the sum over no sample: zero gradients
-        for layer in step.layers:
-            for p in layer.parameters.values():
-                _grad_target(p).zero_()
+        _write_zeros(layers, shared, grads)
         return _empty_batch_norms(model, step, per_param=False)
     # records released as soon as a layer's per-sample gradients are all kept; only when the
     # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
@@ -334,7 +364,6 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     if release_records:
         state.release_records("clip_grads(release_records=True)")
     keep = _kept_grads(state, step, per_layer=early)  # of the groups' gradients with rows
-    shared = shared_parameters(step)
     after = partial(_release_if_kept, batch=step.batch_size, keep=keep,
                     shared=shared) if early else None
     squared = _per_parameter_squared(model, step, keep, after, rows)
@@ -349,29 +378,28 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     for uses in shared.values():  # before any of their modules' records are released
         layer, local = uses[0]
         p = layer.parameters[local]
-        target, parts = _grad_target(p), shared_forms(uses)
+        target, parts = grads.target(p), shared_forms(uses)
         if parts:
             forms.weighted_sum(target, parts, weights[limits.group(p)])
         else:
             target.zero_()
-    layers = step.layers
-    if release_records:  # the largest new p.grad last, when the fewest records are left
-        layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
+        grads.publish([layer.parameters[local]])
     for layer in layers:
         if layer.parameters and not layer.calls:
             for p in layer.parameters.values():
-                if p.grad is not None and id(p) not in shared:
-                    p.grad.zero_()
+                if (p.grad is not None or is_sharded(p)) and id(p) not in shared:
+                    grads.target(p).zero_()
         else:  # the kept per-sample gradients contracted, the rest from the rule
             by_group: dict[int, dict[str, Tensor]] = {}
             for name, p in layer.parameters.items():
                 kept = keep.get(layer.module, name)
                 if kept is not None:
-                    contract_samples(_grad_target(p), kept, kept_weights[limits.group(p)])
+                    contract_samples(grads.target(p), kept, kept_weights[limits.group(p)])
                 elif id(p) not in shared:
-                    by_group.setdefault(limits.group(p), {})[name] = _grad_target(p)
+                    by_group.setdefault(limits.group(p), {})[name] = grads.target(p)
             for k, out in by_group.items():
                 layer.rule.weighted_sum(layer.module, layer.calls, weights[k], out)
+        grads.publish(p for p in layer.parameters.values() if id(p) not in shared)
         if release_records:
             for call in layer.calls:
                 call.release()

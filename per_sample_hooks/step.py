@@ -21,6 +21,7 @@ from .rules import Rule
 from .rules.base import KeptGrads, contract_samples, describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
+from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
 from .unseen import N_PROBES, HookedSums
 
 LossType = Literal["mean", "sum"]
@@ -32,8 +33,12 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def owned_parameters(state: HookState, module: nn.Module) -> dict[str, nn.Parameter]:
-    """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too)."""
-    return unit_parameters(module) if module in state.units else trainable_parameters(module)
+    """Trainable parameters whose ``grad1`` ``module`` gives (a unit's: its children's too);
+    the sharded ones where full stand-ins hold their place (``sharded.with_full_values``)."""
+    params = unit_parameters(module) if module in state.units else trainable_parameters(module)
+    if state.sharded_of:
+        params = {n: state.sharded_of.get(id(p), p) for n, p in params.items()}
+    return params
 
 
 @dataclass
@@ -81,6 +86,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
     if loss_type not in ("mean", "sum"):
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)
+    swap_in_full_values(state)  # FSDP2, in a call that gathers them (every rank, collective)
     if state.forward_after_backward is not None:
         state.end_step()  # this step is lost; the next forward starts a new one
         raise PerSampleHooksError(
@@ -109,6 +115,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                                     owned_parameters(state, module)))
             continue
         rule.check(module, calls, name)
+        refuse_sharded_values(module, name, rule, caller)
         dtype = parameter_dtype(module)
         with_grads = []
         for call in calls:
@@ -173,6 +180,8 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
         return
     params = owned_parameters(state, module)
     rule = state.rules[module]
+    if rule.needs_parameter_values and any(is_sharded(p) for p in module.parameters()):
+        return  # FSDP2 shards: formed by the compute_* call, which gathers the values
     held = call.grads[0][0].numel() + sum(a.numel() for a in call.args if isinstance(a, Tensor))
     batch = rule.batch_size(module, call)
     if not params or batch == 0 or \
@@ -199,6 +208,42 @@ def check_compares(state: HookState) -> bool:
     return state.unseen is not None and bool(state.unseen.totals)
 
 
+def refuse_sharded_values(module: nn.Module, name: str, rule: Rule, caller: str) -> None:
+    """A rule that reads parameter values cannot run on FSDP2 shards (full only in forward)
+    outside the calls that gather them (``sharded.with_full_values``)."""
+    if not rule.needs_parameter_values:
+        return
+    if contains_fsdp_unit(module):
+        raise PerSampleHooksError(
+            f"{caller}: '{name}' ({type(module).__name__}) is, or contains, an FSDP2 unit "
+            f"(fully_shard was applied to it) and its rule ({type(rule).__name__}) re-runs or "
+            "reads it: FSDP2's hooks would replace the parameters the rule differentiates. "
+            "Apply fully_shard to a module that contains it (e.g. its transformer block) "
+            "instead, or leave its parameters out of the sharding (ignored_params)")
+    if any(is_sharded(p) for p in module.parameters()):
+        raise PerSampleHooksError(
+            f"{caller}: '{name}' ({type(module).__name__}) is sharded by FSDP2 (fully_shard) "
+            f"and its rule ({type(rule).__name__}) reads its parameters' values, which FSDP2 "
+            "holds in full only during the forward and backward; compute_grad1, compute_norms, "
+            f"clip_grads and compute_kfac gather them, {caller} does not. Leave this module's "
+            "parameters out of the sharding (fully_shard(..., ignored_params=...)) or use "
+            "DistributedDataParallel")
+
+
+def refuse_sharded_check(step: Step) -> None:
+    """The unseen-use check compares autograd's gradient of each parameter with the hooked sum;
+    FSDP2 hands autograd's gradient to its unsharded copy, not to the (DTensor) parameter the
+    check watches, so on a sharded model it would never run: refuse rather than pass unchecked."""
+    for layer in step.layers:
+        for local, p in layer.parameters.items():
+            if is_sharded(p):
+                raise PerSampleHooksError(
+                    f"parameter '{local}' of '{layer.name}' is sharded (FSDP2 fully_shard): the "
+                    "unseen-use check cannot see its gradient. Check the model once unsharded "
+                    "(one process, add_hooks(model) and any compute_* call), then hook the "
+                    "sharded model with add_hooks(model, check_unseen=False)")
+
+
 def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = None,
                       kept_scale: float = 1.0) -> None:
     """The unseen-use check of :mod:`per_sample_hooks.unseen`, on the steps its schedule
@@ -212,6 +257,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     check = state.unseen
     if check is None:
         return
+    refuse_sharded_check(step)
     check.schedule.step_measured()
     if not check.totals:
         return

@@ -100,6 +100,12 @@ class Rule:
     #: the layer's per-sample gradients already reads those instead.
     forms_rerun: bool = False
 
+    #: The rule reads the parameters' values (not only their shapes): a re-run of the layer
+    #: (fallback, attention, recurrence) or a weight product. On an FSDP2 (``fully_shard``)
+    #: model, whose parameters are shards outside the forward, the ``compute_*`` calls gather
+    #: the full values for such a rule (``sharded.with_full_values``).
+    needs_parameter_values: bool = True
+
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         """``{name: forms}`` for each parameter in ``names``: its per-sample gradient, as

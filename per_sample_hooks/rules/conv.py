@@ -135,7 +135,7 @@ def unfolded(module: nn.modules.conv._ConvNd, x: Tensor, pad: Callable[[Tensor],
                                 padding or [0] * dims, dilation, False, [0] * dims, groups)
         return out.view(out.shape[0], groups, count, -1)
 
-    return Unfolded(build, module.weight[0].numel(), PATCH_CHUNK_ELEMENTS, project)
+    return Unfolded(build, module.weight.shape[1:].numel(), PATCH_CHUNK_ELEMENTS, project)
 
 
 def zero_padding(module: nn.modules.conv._ConvNd) -> Sequence[int] | None:
@@ -200,6 +200,7 @@ class ConvolutionRule(Rule):
     gradient of a convolution (:meth:`operands`), whose per-sample form is ``Outer(grads,
     patches)``, the patches ``forms.Unfolded`` (built a chunk of samples at a time,
     projected by a convolution); the bias's is ``Outer(grads)`` of the output gradients."""
+    needs_parameter_values = False  # shapes only: runs on FSDP2 shards
 
     def operands(self, module: nn.Module, call: Call
                  ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], Sequence[int] | None]:

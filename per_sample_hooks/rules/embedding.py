@@ -73,6 +73,7 @@ class RowsRule(Rule):
 @register_rule(nn.Embedding)
 class EmbeddingRule(RowsRule):
     """Embedding on indices ``[B, *]``; the padding row gets no gradient."""
+    needs_parameter_values = False  # shapes only: runs on FSDP2 shards
 
     one_hot_rows = True
 

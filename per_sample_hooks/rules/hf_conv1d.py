@@ -21,6 +21,7 @@ from .linear import flatten_positions
 
 @register_rule("transformers.pytorch_utils:Conv1D")
 class HFConv1DRule(Rule):
+    needs_parameter_values = False  # shapes only: runs on FSDP2 shards
     kronecker = True
     weight_transposed = True  # KFAC factors of the weight as [nf, nx], a Linear's layout
 

@@ -24,6 +24,7 @@ def flatten_positions(t: Tensor) -> Tensor:
 
 @register_rule(nn.Linear)
 class LinearRule(Rule):
+    needs_parameter_values = False  # shapes only: runs on FSDP2 shards
     kronecker = True
 
     def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,

@@ -52,6 +52,7 @@ def sums_channels_last(x_hat: Tensor | None, grads: Tensor, features: int
 class AffineNormRule(Rule):
     """Shared rule for ``y = normalize(x) * weight (+ bias)``; a subclass gives ``normalize``
     (from the module and one call's batch-first input) and the layout of its parameters."""
+    needs_parameter_values = False  # shapes only: runs on FSDP2 shards
 
     #: parameters run along dim 1 (``[B, C, *]``) rather than over the last dims
     channels_first: bool = True
