@@ -29,6 +29,7 @@ if "PSH_TEST_DEVICE" in os.environ:
 
 CPU_ONLY = {
     "test_distributed.py": "gloo processes on loopback, spawned without the default device",
+    "test_fsdp.py": "FSDP2 over gloo processes on loopback, spawned without the default device",
     "test_examples.py": "the examples load their data on the CPU",
 }
 """Test modules skipped on another device, with the reason."""
