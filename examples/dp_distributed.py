@@ -19,28 +19,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from dp_sgd_digits import load, small_cnn  # the single-process example's model and data
 from torch import nn
 
 import per_sample_hooks as psh
-
-
-def small_cnn() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.AvgPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.Tanh(), nn.AvgPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 2 * 2, 10))
-
-
-def load(seed: int) -> tuple[torch.Tensor, ...]:
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed,
-                                                        stratify=y)
-    mean, std = x_train.mean(), x_train.std()
-    return (x_train - mean) / std, (x_test - mean) / std, y_train, y_test
 
 
 def distribute(model: nn.Sequential, fsdp: bool, device: torch.device) -> nn.Module:
