@@ -162,7 +162,10 @@ class UnseenUseCheck:
         # sum over passes of the gradient's norm: the size rounding is relative to (passes can
         # cancel, e.g. backprop_hess through a normalization)
         self.sizes: dict[int, Tensor] = {}
+        # drawn on first use, kept for the next step unless this one compared them (verify):
+        # a step never compared (capture only, no compute_* call) reveals nothing about them
         self.probes: dict[int, Probe] = {}
+        self.compared = False
         self.hook_seconds = 0.0  # this step's time in the hooks (part of the check's cost)
         self._state = state
         for p in owners:
@@ -173,8 +176,10 @@ class UnseenUseCheck:
         self.decision = None
         self.totals.clear()
         self.sizes.clear()
-        self.probes.clear()
         self.hook_seconds = 0.0
+        if self.compared:
+            self.probes.clear()
+            self.compared = False
 
     def due(self) -> bool:
         """Whether this step is checked (asked after the forward: the structure is known;
@@ -185,12 +190,14 @@ class UnseenUseCheck:
         return self.decision
 
     def probe(self, p: Tensor) -> Probe:
-        """This step's probes for ``p`` (drawn on first use, in ``p``'s dtype and device)."""
+        """The probes for ``p`` (drawn on first use, in ``p``'s dtype and device; new ones
+        after each step that compared them)."""
         probe = self.probes.get(id(p))
-        if probe is None:
-            n0, n1 = matrix_shape(p.shape)
+        n0, n1 = matrix_shape(p.shape)
+        if probe is None or probe[0].shape[1] != n0 or probe[1].shape[1] != n1 \
+                or probe[0].dtype != p.dtype or probe[0].device != p.device:
             probe = tuple(torch.randn(N_PROBES, n, generator=self.generator, device="cpu",
-                                      dtype=torch.float64).to(p.dtype).to(p.device)
+                                      dtype=torch.float64).to(device=p.device, dtype=p.dtype)
                           for n in (n0, n1))
             self.probes[id(p)] = probe
         return probe
@@ -223,6 +230,7 @@ class UnseenUseCheck:
         (:meth:`rounding_explains`)."""
         if not self.totals:  # nothing to compare (no parameter gradient): stays due
             return
+        self.compared = True
         start = time.perf_counter()
         keys = list(self.totals)
         device = self.totals[keys[0]].device  # stacked there, copied to the host once each
