@@ -269,17 +269,19 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     persistent buffers, overwritten by the next call: clone them to keep them.
     """
     state, step = prepare_step(model, loss_type, "compute_grad1")
-    written: dict[tuple[int, str], Tensor] = {}
+    # the buffers written, for the unseen-use check on a step it compares
+    written: dict[tuple[int, str], Tensor] | None = {} if check_compares(state) else None
     seen: dict[int, Tensor] = {}  # id(parameter) -> its grad1 buffer (hashing a tensor is slow)
     shared: list[tuple[Tensor, Tensor]] = []  # a parameter of several modules: summed at the end
-    batch, scale = step.batch_size, step.scale
+    batch, scale, get = step.batch_size, step.scale, state.storage.get
     empty = batch == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
         module, params = layer.module, layer.parameters
-        out = {name: state.storage.get(module, name, batch, p) for name, p in params.items()}
-        _drop_frozen_grad1(state, layer)
-        if not out:
+        if layer.frozen:
+            _drop_frozen_grad1(state, layer)
+        if not params:
             continue
+        out = {name: get(module, name, batch, p) for name, p in params.items()}
         if not empty:
             if layer.calls:
                 layer.rule.grad1(module, layer.calls, scale, out)
@@ -288,7 +290,7 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
                     buf.zero_()
         key = id(module)
         for name, buf in out.items():
-            if not empty:
+            if written is not None and not empty:
                 written[(key, name)] = buf
             p = params[name]
             first = seen.get(id(p))
@@ -298,7 +300,7 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
             else:
                 shared.append((first, buf))
     if not empty:  # the hooked sums from the buffers (captured scale: 1 / scale)
-        kept = KeptGrads.holding(written) if check_compares(state) else None
+        kept = KeptGrads.holding(written) if written is not None else None
         check_unseen_uses(state, step, kept, 1.0 / scale)
     for first, buf in shared:
         first.add_(buf)

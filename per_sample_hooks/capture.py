@@ -159,9 +159,10 @@ def _inside_torch_func(compiling: bool) -> bool:
 
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
-                     on_arrival: Callable[[], None] | None = None) -> list[Callable]:
+                     call: tuple[nn.Module, Call] | None = None) -> list[Callable]:
     """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); set
-    ``owner.backward_seen`` and call ``on_arrival()`` when one arrives. Returns the hooks
+    ``owner.backward_seen`` and, for a call's output (``call``: ``(module, record)``), call
+    ``owner.on_gradient(module, record)`` when one arrives (if set then). Returns the hooks
     registered (autograd's graph holds them, nothing else does: see :attr:`Call.hooks`).
 
     A tensor hook on ``leaf`` (not a pre-hook on ``leaf.grad_fn``: it also fires when ``leaf``
@@ -171,24 +172,31 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     history and its hook never fires. A Linear on ``[B, *, d]`` returns a reshaped view of its
     matmul, so for a view of a whole contiguous base (:func:`gradient_tensor`) a tensor hook on
     the base catches the gradient of the base (= of the view, reshaped) in the passes where
-    the view's hook did not fire (the view's hook fires first when it fires at all).
+    the view's hook did not fire (the view's hook fires first when it fires at all). Each hook
+    does its work in one Python frame: it runs for every captured call of every step.
     """
+    base = gradient_tensor(leaf)
+    if base is leaf:
+        def tensor_hook(grad: Tensor) -> None:
+            sink.append(grad)
+            if owner is not None:
+                owner.backward_seen = True
+                if call is not None and owner.on_gradient is not None:
+                    owner.on_gradient(*call)
+        leaf.register_hook(tensor_hook)
+        return [tensor_hook]
+
     def arrived(grad: Tensor) -> None:
         sink.append(grad)
         if owner is not None:
             owner.backward_seen = True
-        if on_arrival is not None:
-            on_arrival()
+            if call is not None and owner.on_gradient is not None:
+                owner.on_gradient(*call)
 
-    def tensor_hook(grad: Tensor) -> None:
+    def view_hook(grad: Tensor) -> None:
         fired[0] = True
         arrived(grad)
 
-    fired = [False]
-    leaf.register_hook(tensor_hook)
-    base = gradient_tensor(leaf)
-    if base is leaf:
-        return [tensor_hook]
     shape = leaf.shape
 
     def base_hook(grad: Tensor) -> None:
@@ -197,8 +205,10 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
             return
         arrived(grad.reshape(shape))
 
+    fired = [False]
+    leaf.register_hook(view_hook)
     base.register_hook(base_hook)
-    return [tensor_hook, base_hook]
+    return [view_hook, base_hook]
 
 
 def gradient_tensor(leaf: Tensor) -> Tensor:
@@ -387,9 +397,9 @@ class HookState:
     def forward_hook(self, owner: nn.Module, module: nn.Module, args: tuple, kwargs: dict,
                      output: Any) -> Any:
         """Record a call of ``owner`` (see :class:`ForwardHook`)."""
-        if module is not owner or not self.capturing() or not self.captures(owner):
-            return
         compiling = torch.compiler.is_compiling()
+        if module is not owner or not self.capturing(compiling) or not self.captures(owner):
+            return
         if isinstance(output, Tensor):
             if not output.requires_grad:
                 return
@@ -418,14 +428,10 @@ class HookState:
             output = expand(output)
             leaves = (output,)
             call.args, call.kwargs = map_tensors(expand, (args, kwargs))
-
-        def arrived(call: Call = call) -> None:
-            if self.on_gradient is not None:
-                self.on_gradient(owner, call)
         hooks = []
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
-                hooks += capture_gradient(leaf, grads, self, arrived)
+                hooks += capture_gradient(leaf, grads, self, (owner, call))
                 for notify in self.on_capture:
                     notify(leaf)
         watcher = self.watchers.get(owner)
@@ -466,11 +472,14 @@ class HookState:
         except Exception:  # no tensor input, a layout the rule refuses: reported by the rule
             return None
 
-    def capturing(self) -> bool:
+    def capturing(self, compiling: bool | None = None) -> bool:
         """Whether a forward pass now is recorded: capture enabled, grad mode on, not inside
-        a ``torch.func`` transform."""
-        return (self.enabled and torch.is_grad_enabled()
-                and not _inside_torch_func(torch.compiler.is_compiling()))
+        a ``torch.func`` transform (``compiling``: ``torch.compiler.is_compiling()``, if known)."""
+        if not (self.enabled and torch.is_grad_enabled()):
+            return False
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        return not _inside_torch_func(compiling)
 
     def clear(self) -> None:
         """Forget every captured call (buffers stay for reuse)."""

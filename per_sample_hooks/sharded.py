@@ -118,6 +118,8 @@ def swap_in_full_values(state: HookState) -> None:
     if state.sharded_of is None or state.sharded_of:
         return
     readers = _value_readers(state)
+    if not readers:
+        return
     with torch.no_grad():
         for p, owners in readers.values():
             stand_in = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)

@@ -43,12 +43,14 @@ def owned_parameters(state: HookState, module: nn.Module) -> dict[str, nn.Parame
 
 @dataclass
 class LayerWork:
-    """One hooked module ready for a rule: its calls that received gradients."""
+    """One hooked module ready for a rule: its calls that received gradients; ``frozen``: some
+    parameter of the module (a unit: below it too) does not require grad."""
     module: nn.Module
     name: str
     rule: Rule
     calls: list[Call]
     parameters: dict[str, nn.Parameter]
+    frozen: bool = True
 
 
 @dataclass
@@ -65,6 +67,28 @@ def parameter_dtype(module: nn.Module) -> torch.dtype | None:
         if p is not None:
             return p.dtype if p.is_floating_point() else None
     return None
+
+
+def _layer_parameters(state: HookState, module: nn.Module
+                      ) -> tuple[dict[str, nn.Parameter], torch.dtype | None, bool]:
+    """:func:`owned_parameters`, :func:`parameter_dtype` and whether a parameter is frozen, read
+    afresh every step (a parameter may be replaced or frozen between steps), in one pass over
+    a plain module's own parameters."""
+    if module in state.units or state.sharded_of:
+        params = owned_parameters(state, module)
+        everything = list(module.parameters(recurse=module in state.units))
+        return params, parameter_dtype(module), len(everything) != len(params)
+    params, dtype, frozen, first = {}, None, False, True
+    for n, p in module._parameters.items():
+        if p is None:
+            continue
+        if first:
+            dtype, first = (p.dtype if p.is_floating_point() else None), False
+        if p.requires_grad:
+            params[n] = p
+        else:
+            frozen = True
+    return params, dtype, frozen
 
 
 def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
@@ -99,10 +123,10 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
         raise PerSampleHooksError(
             f"{caller}: {state.released_by} dropped this step's captured tensors; run a new "
             "forward and backward (or leave release_records=False to read them again)")
-    layers, sizes = [], {}
+    layers, sizes, rules = [], {}, state.rules
     for module, name, calls in state.hooked_calls():
-        rule = state.rules[module]
-        formed = [c.per_sample for c in calls if c.per_sample is not None]
+        rule = rules[module]
+        formed = [c.per_sample for c in calls if c.per_sample is not None] if calls else None
         if formed:  # its per-sample gradients were formed on arrival: they are all there is
             if len(formed) != len(calls) or any(calls[0].grads):
                 raise PerSampleHooksError(
@@ -115,8 +139,9 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                                     owned_parameters(state, module)))
             continue
         rule.check(module, calls, name)
-        refuse_sharded_values(module, name, rule, caller)
-        dtype = parameter_dtype(module)
+        if rule.needs_parameter_values:
+            refuse_sharded_values(module, name, rule, caller)
+        params, dtype, frozen = _layer_parameters(state, module)
         with_grads = []
         for call in calls:
             changed = call.modified_inputs()
@@ -134,7 +159,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                 call.cast_(dtype)
             sizes.setdefault(rule.batch_size(module, call), name)
             with_grads.append(call)
-        layers.append(LayerWork(module, name, rule, with_grads, owned_parameters(state, module)))
+        layers.append(LayerWork(module, name, rule, with_grads, params, frozen))
     if not sizes:
         raise PerSampleHooksError(
             f"{caller}: no output gradient was captured since the hooks were added or last "
@@ -257,7 +282,8 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
     check = state.unseen
     if check is None:
         return
-    refuse_sharded_check(step)
+    if check.decision is not False:  # not a step the schedule skipped (a sharded model's: None)
+        refuse_sharded_check(step)
     check.schedule.step_measured()
     if not check.totals:
         return
