@@ -1,0 +1,145 @@
+"""What the step engine reads afresh each step: parameters frozen, unfrozen, replaced, resized
+or converted between steps of one hooked model still give exact ``grad1`` (float64 loop over
+samples), and the unseen-use check's probes, kept across steps that compared nothing, follow a
+parameter's new shape and dtype (a check on stale probes would raise or compare nothing)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import loop_grads, sum_of_outputs
+
+
+def leaky_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def assert_exact(model: nn.Module, x: torch.Tensor, check_unseen: object) -> None:
+    """One hooked step of ``model`` on ``x`` (sum loss) against the float64 loop: every
+    trainable parameter's ``grad1``, and no ``grad1`` on a frozen one."""
+    psh.add_hooks(model, check_unseen=check_unseen)  # the same state after the first step
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    psh.compute_grad1(model, loss_type="sum")
+    reference = copy.deepcopy(model).double()  # a copy is not hooked
+    expected = loop_grads(reference, [x.double()], sum_of_outputs, x.shape[0])
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if x.dtype == torch.float32 else \
+        {"rtol": 1e-10, "atol": 1e-12}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert not hasattr(p, "grad1"), f"frozen {n} kept grad1"
+            continue
+        assert p.grad1.dtype == p.dtype and p.grad1.shape == (x.shape[0], *p.shape), n
+        torch.testing.assert_close(p.grad1.double(), expected[n], **tolerance,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+CHECKS = [True, "always", False]
+
+
+@pytest.mark.parametrize("check_unseen", CHECKS)
+def test_freezing_and_unfreezing_one_parameter_between_steps(check_unseen):
+    model = leaky_mlp()
+    x = torch.randn(6, 5)
+    assert_exact(model, x, check_unseen)
+    model[2].bias.requires_grad_(False)  # one of a module's two parameters
+    assert_exact(model, x, check_unseen)
+    model[0].requires_grad_(False)  # a whole module
+    assert_exact(model, x, check_unseen)
+    model[0].requires_grad_(True)
+    model[2].bias.requires_grad_(True)
+    assert_exact(model, x, check_unseen)
+    psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("check_unseen", CHECKS)
+def test_replacing_and_resizing_parameters_between_steps(check_unseen):
+    model = leaky_mlp()
+    x = torch.randn(6, 5)
+    assert_exact(model, x, check_unseen)
+    model[2].weight = nn.Parameter(torch.randn(3, 4))  # a new parameter, same shape
+    assert_exact(model, x, check_unseen)
+    with torch.no_grad():  # the same parameters, new shapes (F.linear reads them as they are)
+        model[2].weight.data = torch.randn(7, 4)
+        model[2].bias.data = torch.randn(7)
+    assert_exact(model, x, check_unseen)
+    psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("check_unseen", CHECKS)
+def test_converting_the_model_between_steps(check_unseen):
+    """``model.double()`` keeps the parameter objects and changes their dtype: buffers and the
+    check's probes follow."""
+    model = leaky_mlp()
+    x = torch.randn(6, 5)
+    assert_exact(model, x, check_unseen)
+    model.double()
+    assert_exact(model, x.double(), check_unseen)
+    model.float()
+    assert_exact(model, x, check_unseen)
+    psh.remove_hooks(model)
+
+
+class Leaks(nn.Module):
+    """``first.weight`` is also used outside its module: the check must report it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.second(h) + (h @ self.first.weight)[:, :2]
+
+
+def captured_and_cleared(model: nn.Module, x: torch.Tensor) -> None:
+    """A step the check does not compare (no compute_* call): its probes are kept."""
+    model(x).sum().backward()
+    psh.clear_backprops(model)
+
+
+def test_probes_kept_from_a_step_never_compared_are_used_by_the_next():
+    torch.manual_seed(0)
+    model = Leaks()
+    state = psh.add_hooks(model, check_unseen="always")
+    captured_and_cleared(model, torch.randn(5, 3))
+    weight = model.first.weight
+    kept = state.unseen.probes[id(weight)][0].clone()
+    model(torch.randn(5, 3)).sum().backward()
+    torch.testing.assert_close(state.unseen.probe(weight)[0], kept)
+    with pytest.raises(psh.PerSampleHooksError, match=r"'first\.weight'"):
+        psh.compute_grad1(model)
+    model(torch.randn(5, 3)).sum().backward()  # compared: new probes
+    assert not torch.equal(state.unseen.probe(weight)[0], kept)
+    psh.remove_hooks(model)
+
+
+def test_kept_probes_follow_a_parameter_converted_in_between():
+    """``model.double()`` after a step never compared: the check compares in float64 (its
+    float64 threshold) and still finds the unseen use."""
+    torch.manual_seed(0)
+    model = Leaks()
+    state = psh.add_hooks(model, check_unseen="always")
+    captured_and_cleared(model, torch.randn(5, 3))
+    model.double()
+    model(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+    for p in model.parameters():
+        assert all(t.dtype == torch.float64 for t in state.unseen.probe(p))
+    with pytest.raises(psh.PerSampleHooksError, match=r"'first\.weight'"):
+        psh.compute_grad1(model)
+    psh.remove_hooks(model)
+
+
+def test_kept_probes_follow_a_parameter_resized_in_between():
+    model = leaky_mlp()
+    psh.add_hooks(model, check_unseen="always")
+    x = torch.randn(6, 5)
+    captured_and_cleared(model, x)
+    with torch.no_grad():
+        model[2].weight.data = torch.randn(7, 4)
+        model[2].bias.data = torch.randn(7)
+    assert_exact(model, x, "always")
+    psh.remove_hooks(model)
