@@ -244,6 +244,8 @@ def detach_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     aliasing of the call (see :func:`map_tensors`; a flat loop, it runs on every module call);
     keyword tensors as they are, but for one also passed positionally (the same detached
     tensor)."""
+    if len(args) == 1 and not kwargs:  # most modules: one input
+        return ((args[0].detach(),) if isinstance(args[0], Tensor) else args), kwargs
     detached: dict[int, Tensor] = {}
     for a in args:
         if isinstance(a, Tensor) and id(a) not in detached:
@@ -434,7 +436,7 @@ class HookState:
                 hooks += capture_gradient(leaf, grads, self, (owner, call))
                 for notify in self.on_capture:
                     notify(leaf)
-        watcher = self.watchers.get(owner)
+        watcher = self.watchers.get(owner) if self.watchers else None
         if watcher is not None:
             tensors, call.note = watcher()
             for tensor in tensors:
