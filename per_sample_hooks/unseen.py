@@ -4,7 +4,7 @@ Hooks see a parameter only inside the forward of the module that owns it. A use 
 tied output layer ``h @ emb.weight.t()``, ``F.linear(x, layer.weight)``) adds a term to
 ``p.grad`` that per-sample quantities from hooks would silently miss. On a *checked* step the
 check compares, for every hooked parameter ``p``, random projections (``u_k^T g v_k`` for
-:data:`N_PROBES` Gaussian probes drawn per step, ``p`` seen as a matrix) of:
+:data:`N_PROBES` Gaussian probes, new for every step compared, ``p`` seen as a matrix) of:
 
 - the *total*: the gradient autograd hands ``p`` in each backward pass of the step (a tensor
   hook on the parameter, so gradients the user did not zero do not matter), summed over passes;
@@ -146,10 +146,13 @@ def _call_size(call: Call) -> int:
 
 class UnseenUseCheck:
     """On checked steps: random projections (:data:`N_PROBES` rank-1 probes ``u v^T``, ``p``
-    seen as a matrix, drawn per step) and norms of autograd's gradient of each hooked
-    parameter, summed over the step's backward passes; nothing is held for other steps and no
-    gradient is copied (a step holds ``N_PROBES`` numbers per parameter). Tables are keyed by
-    ``id(parameter)`` (hashing a tensor is a Python call)."""
+    seen as a matrix) and norms of autograd's gradient of each hooked parameter, summed over
+    the step's backward passes; no gradient is copied (a step holds ``N_PROBES`` numbers per
+    parameter). The probes are drawn once and kept until a step compares them: drawing them
+    is most of a small model's cost of a due step that nothing computes (a loop that only
+    captures, on a structure not yet checked, is due on every step), and a step that compared
+    nothing revealed nothing about them. Tables are keyed by ``id(parameter)`` (hashing a
+    tensor is a Python call)."""
 
     def __init__(self, state: HookState, owners: Mapping[nn.Parameter, str],
                  mode: Literal["sampled", "always"] = "sampled", seed: int = 0):
