@@ -38,6 +38,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from models import LSTMClassifier, TransformerClassifier  # noqa: E402
 
 import per_sample_hooks as psh  # noqa: E402
+from benchmarks.dp import TokenMLP  # noqa: E402
 from benchmarks.harness import check_cost, compare, print_table  # noqa: E402
 
 
@@ -65,6 +66,13 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], Callable[[int], Tensor], i
                     "T=32, B=32",
                     lambda: TransformerClassifier(1000, 64, 4, 128, 2, 32, 10),
                     lambda b: torch.randint(0, 1000, (b, 32)), 32),
+    "transformer128": ("Transformer classifier: vocab 1000, d=128, 4 heads, ff 256, 2 layers, "
+                       "T=64, B=32 (issue 13's token transformer)",
+                       lambda: TransformerClassifier(1000, 128, 4, 256, 2, 64, 10),
+                       lambda b: torch.randint(0, 1000, (b, 64)), 32),
+    "tokens": ("Token MLP (benchmarks.dp's tokens64): Embedding + positions, 2 pre-norm MLP blocks "
+               "(LayerNorm, Linear 256-1024-256, GELU), LayerNorm, head, T=64, B=32",
+               lambda: TokenMLP(length=64), lambda b: torch.randint(0, 1000, (b, 64)), 32),
     "lstm": ("LSTM classifier: vocab 1000, d=64, 2-layer LSTM h=128, T=32, B=32",
              lambda: LSTMClassifier(1000, 64, 128, 10),
              lambda b: torch.randint(0, 1000, (b, 32)), 32),

@@ -265,13 +265,15 @@ def add_position_sums(out: Tensor, grads: Tensor, scale: float, accumulate: bool
 
 def materializes(forms: Sequence[Form]) -> bool:
     """Whether :func:`norms_squared` of ``forms`` is best had from materialized per-sample
-    gradients (which a caller may then keep for a weighted sum): an :class:`Outer` weight over
-    several positions (the ghost norm is not always cheaper), a mix of kinds."""
+    gradients (which a caller may then keep for a weighted sum): an :class:`Outer` over
+    several positions (a weight: the ghost norm is not always cheaper; a bias: its norms sum
+    the positions anyway), :class:`Dense` (formed already: keeping it spares the weighted sum
+    forming it again, e.g. a normalization layer's ``x_hat``), a mix of kinds."""
     if _disjoint_blocks(forms) is not None:
         return False
     form = join(forms)
-    return form is None or (isinstance(form, Outer) and form.acts is not None
-                            and form.positions > 1)
+    return form is None or isinstance(form, Dense) or (isinstance(form, Outer)
+                                                       and form.positions > 1)
 
 
 def _disjoint_blocks(forms: Sequence[Form]) -> list[list[Form]] | None:
