@@ -331,7 +331,10 @@ def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
         return weight_norms_squared(form.acts, form.grads)
     method = choose_method(form.positions, form.acts.features, form.grads.shape[3])
     result = form.grads.new_empty(batch)
-    for samples, acts in act_chunks(form):
+    # activations built in chunks of their own size (as grad1's): weight_norms_squared chunks
+    # its temporaries itself, and fewer, larger products run faster (seed-001 CNN: the norms
+    # 23.1 -> 21.0 ms, 6 samples per chunk of conv2's patches instead of 1)
+    for samples, acts in act_chunks(form, reduce=False):
         result[samples] = weight_norms_squared(acts, form.grads[samples], method)
     return result
 
