@@ -114,7 +114,7 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
                 gram_g = buffers[1][:math.prod(shape)].view(shape)
                 torch.bmm(flat_a[rows, a0:a1], flat_a[rows, a0:].transpose(1, 2), out=gram_a)
                 torch.bmm(flat_g[rows, a0:a1], flat_g[rows, a0:].transpose(1, 2), out=gram_g)
-                products = gram_a.mul_(gram_g).view(stop - start, groups, a1 - a0, -1)
+                products = gram_a.mul_(gram_g).view(stop - start, groups, *shape[1:])
                 total.add_(products[..., :a1 - a0].sum((1, 2, 3)))
                 if a1 < positions:
                     total.add_(products[..., a1 - a0:].sum((1, 2, 3)), alpha=2)
