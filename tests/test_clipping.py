@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import (
     assert_clipping_matches,
+    assert_float32_matches,
     assert_norms_match,
     hooked_backward,
     loop_clipped,
@@ -301,6 +302,33 @@ def test_keeping_materialized_grads_is_used(keep, kept):
         names = {name for _, name in state.storage.held(step_only=True)}
         psh.remove_hooks(model)
     assert ("kept weight" in names) == kept
+
+
+def positions_model() -> nn.Sequential:
+    """A LayerNorm (dense forms) and a Linear with a bias over 5 positions, then a head."""
+    return nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 3), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(15, 2))
+
+
+@pytest.mark.parametrize("keep, kept", [(0.0, set()), (norms_module.KEEP_FRACTION, {
+    ("0", "kept weight"), ("0", "kept bias"), ("1", "kept bias")})])
+def test_dense_forms_and_position_biases_are_kept(keep, kept):
+    """The norms form a LayerNorm's per-sample gradients (dense) and a bias's sums over
+    positions anyway: within the default budget they are kept, so that the clipped sum
+    contracts them instead of forming them again; exact either way."""
+    torch.manual_seed(0)
+    model, x = positions_model(), torch.randn(6, 5, 4)
+    with keep_fraction(keep):
+        state = psh.add_hooks(model)
+        model(x).sum().backward()
+        psh.clip_grads(model, 0.1)
+        modules = {m: n for n, m in model.named_children()}
+        names = {(modules[m], name) for m, name in state.storage.held(step_only=True)}
+        psh.remove_hooks(model)
+    assert names & {("0", "kept weight"), ("0", "kept bias"), ("1", "kept bias")} == kept
+    with keep_fraction(keep):
+        assert_clipping_matches(positions_model(), [x], 0.1)
+        assert_float32_matches(positions_model(), [x], 0.1)
 
 
 class Scale(nn.Module):

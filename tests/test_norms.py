@@ -76,6 +76,16 @@ def test_weight_norm_methods_agree_with_materialized(batch, groups, t, d, p, chu
     torch.testing.assert_close(bias, grads.sum(2).flatten(1).pow(2).sum(1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
+def test_weight_norms_of_no_positions_are_zero(method, dtype):
+    """T = 0 (an empty sequence): zeros from every method (the ghost norm's row of Gram
+    blocks is empty)."""
+    acts, grads = torch.randn(3, 2, 0, 4, dtype=dtype), torch.randn(3, 2, 0, 5, dtype=dtype)
+    got = ghost.weight_norms_squared(acts, grads, method)
+    torch.testing.assert_close(got, torch.zeros(3, dtype=dtype), rtol=0, atol=0)
+
+
 def test_seed_003_mlp_sum_loss():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.Linear(32, 32), nn.Linear(32, 10))

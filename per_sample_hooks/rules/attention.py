@@ -252,8 +252,9 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
     blocks = [slice(0, embed), slice(embed, 2 * embed), slice(2 * embed, 3 * embed)]
     fused = inputs.self_attention and module._qkv_same_embed_dim
     if fused and ("in_proj_weight" in names or "in_proj_bias" in names):
-        # [3, B, H, L, hd] -> [B, L, 3 * E] in one copy: one product for the whole weight
-        merged = torch.stack([grad_q, grad_k, grad_v]).permute(1, 3, 0, 2, 4).flatten(2)
+        # [B, H, L, hd] each -> [B, L, 3, H, hd] = [B, L, 3 * E] in one copy: one product for
+        # the whole weight
+        merged = torch.stack([g.transpose(1, 2) for g in (grad_q, grad_k, grad_v)], 2).flatten(2)
         if "in_proj_weight" in names:
             terms.append(("in_proj_weight", one_group(merged, inputs.query)))
         if "in_proj_bias" in names:
