@@ -13,15 +13,12 @@ every rank's results equal the float64 per-sample loop on the concatenated (glob
 """
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from norms_truth import loop_clipped, loop_grouped_clipping
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -254,47 +251,22 @@ def weighted_mean_helper(rank: int) -> None:
                 "weighted mean")
 
 
-def worker(rank: int, init_file: str, errors: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        per_sample_on_each_rank(rank)
-        kfac_factors_match_one_process(rank)
-        for loss_type in ("mean", "sum"):
-            for suppress in ("comm_hook", "no_sync", "plain"):
-                dp_clipping_matches_one_process(rank, loss_type, suppress)
-            dpsgd_matches_one_process(rank, loss_type)
-            grouped_clipping_matches_one_process(rank, loss_type)
-        weighted_mean_helper(rank)
-        dist.barrier()  # both ranks done before the teardown: gloo aborts on a peer gone early
-    except BaseException:
-        with open(f"{errors}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    # no interpreter teardown: a gloo thread destroyed there still joinable aborted a worker
-    # ("terminate called without an active exception", SIGABRT) in 1 of about 40 runs
-    os._exit(0)
-
-
-def spawn(tmp_path) -> None:
-    init_file = str(tmp_path / "rendezvous")
-    errors = str(tmp_path / "errors")
-    try:
-        mp.spawn(worker, args=(init_file, errors), nprocs=WORLD, join=True)
-    except Exception as error:  # noqa: BLE001 - show the workers' own tracebacks
-        reports = [open(f"{errors}.{r}").read() for r in range(WORLD)
-                   if os.path.exists(f"{errors}.{r}")]
-        pytest.fail("\n".join(reports) or str(error))
+def all_checks(rank: int) -> None:
+    per_sample_on_each_rank(rank)
+    kfac_factors_match_one_process(rank)
+    for loss_type in ("mean", "sum"):
+        for suppress in ("comm_hook", "no_sync", "plain"):
+            dp_clipping_matches_one_process(rank, loss_type, suppress)
+        dpsgd_matches_one_process(rank, loss_type)
+        grouped_clipping_matches_one_process(rank, loss_type)
+    weighted_mean_helper(rank)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
 @pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only")
 def test_ddp_two_processes_match_one_process(tmp_path):
-    spawn(tmp_path)
+    run_ranks(all_checks, WORLD, tmp_path)
 
 
 def test_distributed_helpers_need_an_initialized_process_group():

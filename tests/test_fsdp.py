@@ -26,13 +26,11 @@ from __future__ import annotations
 import math
 import os
 import sys
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from norms_truth import loop_clipped, loop_grouped_clipping
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -339,44 +337,26 @@ def refusals(rank: int) -> None:
                 refused(gated)
 
 
-def worker(rank: int, init_file: str, errors: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        for kind in MODELS:
-            if kind != "gated":
-                per_sample_and_clipping(rank, kind, torch.float64)
-            if kind in ("net", "tagger", "mixer"):
-                kfac_matches_one_process(rank, kind)
-            for loss_type in ("mean", "sum"):
-                clipping_steps(rank, kind, loss_type)
-            dpsgd_matches_one_process(rank, kind, "mean")
-        grouped_clipping_matches_one_process(rank, "mean")
-        per_sample_and_clipping(rank, "net", torch.float32)
-        dpsgd_matches_one_process(rank, "net", "sum")
-        refusals(rank)
-        dist.barrier()  # both ranks done before the teardown: gloo aborts on a peer gone early
-    except BaseException:
-        with open(f"{errors}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # no interpreter teardown (see test_distributed.worker)
+def all_checks(rank: int) -> None:
+    for kind in MODELS:
+        if kind != "gated":
+            per_sample_and_clipping(rank, kind, torch.float64)
+        if kind in ("net", "tagger", "mixer"):
+            kfac_matches_one_process(rank, kind)
+        for loss_type in ("mean", "sum"):
+            clipping_steps(rank, kind, loss_type)
+        dpsgd_matches_one_process(rank, kind, "mean")
+    grouped_clipping_matches_one_process(rank, "mean")
+    per_sample_and_clipping(rank, "net", torch.float32)
+    dpsgd_matches_one_process(rank, "net", "sum")
+    refusals(rank)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
 @pytest.mark.skipif(sys.platform == "win32", reason="file rendezvous on POSIX only")
 def test_fsdp2_two_processes_match_one_process(tmp_path):
-    init_file, errors = str(tmp_path / "rendezvous"), str(tmp_path / "errors")
-    try:
-        mp.spawn(worker, args=(init_file, errors), nprocs=WORLD, join=True)
-    except Exception as error:  # noqa: BLE001 - show the workers' own tracebacks
-        reports = [open(f"{errors}.{r}").read() for r in range(WORLD)
-                   if os.path.exists(f"{errors}.{r}")]
-        pytest.fail("\n".join(reports) or str(error))
+    run_ranks(all_checks, WORLD, tmp_path)
 
 
 def run_recipe(*options: str) -> str:
