@@ -29,6 +29,7 @@ grad1 at most 0.5x ``torch.func``; clipping faster than Opacus ghost clipping.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -143,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if "gpt2" in args.suites:
         base = GPT2_SMALL if args.gpt2_small else hf_models.SIZES
         for length in args.lengths:
-            sizes = hf_models.Sizes(**{**base.__dict__, "batch": args.gpt2_batch,
-                                       "length": length})
+            sizes = dataclasses.replace(base, batch=args.gpt2_batch, length=length)
             case = hf_models.make_case("gpt2", workarounds=args.workarounds, sizes=sizes)
             methods = {m: hf_models.build(m, case) for m in GPT2_METHODS}
             tying = "untied" if args.workarounds else "tied"

@@ -15,7 +15,7 @@ import argparse
 import time
 
 import torch
-from dp_sgd_digits import accuracy, load, small_cnn
+from dp_sgd_digits import accuracy, dp_arguments, load, small_cnn
 from torch import nn
 
 from per_sample_hooks import DPSGD, remove_hooks
@@ -64,15 +64,8 @@ def train(multiplicity: int, data: tuple[torch.Tensor, ...], args: argparse.Name
 
 
 def main(argv: list[str] | None = None) -> dict[int, list[tuple[float, float]]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = dp_arguments(__doc__.splitlines()[0])
     parser.add_argument("--multiplicities", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=64, help="expected (Poisson) size")
-    parser.add_argument("--lr", type=float, default=1.0)
-    parser.add_argument("--noise-multiplier", type=float, default=1.0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

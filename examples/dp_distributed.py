@@ -14,12 +14,15 @@ prints test accuracy and epsilon after every epoch, and a checksum of the final 
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
-from dp_sgd_digits import load, small_cnn  # the single-process example's model and data
+from dp_sgd_digits import (  # the single-process example's model and data
+    dp_arguments,
+    load,
+    small_cnn,
+)
 from torch import nn
 
 import per_sample_hooks as psh
@@ -53,15 +56,9 @@ def checksum(model: nn.Module) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = dp_arguments(__doc__.splitlines()[0], epochs=10, batch_size=32,
+                          batch_help="expected, per rank")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="expected, per rank")
-    parser.add_argument("--lr", type=float, default=1.0)
-    parser.add_argument("--noise-multiplier", type=float, default=1.0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
     args = parser.parse_args()
 

@@ -49,15 +49,22 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return (model(x).argmax(1) == y).float().mean().item()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=64, help="expected (Poisson) size")
+def dp_arguments(description: str, epochs: int = 15, batch_size: int = 64,
+                 batch_help: str = "expected (Poisson) size") -> argparse.ArgumentParser:
+    """The DP-SGD examples' common options (training, privacy, seed)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
     parser.add_argument("--lr", type=float, default=1.0)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main() -> None:
+    parser = dp_arguments(__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: this model is too small for more to help)")
     args = parser.parse_args()

@@ -175,23 +175,17 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     the view's hook did not fire (the view's hook fires first when it fires at all). Each hook
     does its work in one Python frame: it runs for every captured call of every step.
     """
-    base = gradient_tensor(leaf)
-    if base is leaf:
-        def tensor_hook(grad: Tensor) -> None:
-            sink.append(grad)
-            if owner is not None:
-                owner.backward_seen = True
-                if call is not None and owner.on_gradient is not None:
-                    owner.on_gradient(*call)
-        leaf.register_hook(tensor_hook)
-        return [tensor_hook]
-
     def arrived(grad: Tensor) -> None:
         sink.append(grad)
         if owner is not None:
             owner.backward_seen = True
             if call is not None and owner.on_gradient is not None:
                 owner.on_gradient(*call)
+
+    base = gradient_tensor(leaf)
+    if base is leaf:  # the hook itself: one frame per arrival
+        leaf.register_hook(arrived)
+        return [arrived]
 
     def view_hook(grad: Tensor) -> None:
         fired[0] = True
