@@ -108,7 +108,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     ``check_unseen``: detect parameter uses outside their module's forward (raise rather than
     return per-sample quantities that miss a term; see :mod:`per_sample_hooks.unseen`): True
     checks the first step, every step of a new captured structure (modules called, how often,
-    batch sizes) and a random sample of the others at about 2% of the training time;
+    batch sizes) and a random sample of the others at about 1% of the training time;
     ``"always"`` every step; False never.
 
     ``broadcast``: a module called with batch size 1 after some module of the same forward saw
@@ -185,8 +185,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         rules[module] = rule
         prefix = f"{name}." if name else ""
         for n, p in module.named_parameters(recurse=module in unit_modules):
-            if p.requires_grad:
-                owners.setdefault(p, f"{prefix}{n}")
+            owners.setdefault(p, f"{prefix}{n}")  # frozen ones too: they may be unfrozen
     # followed modules are recorded even when frozen: their code may use a child's weight
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,

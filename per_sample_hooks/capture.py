@@ -51,13 +51,17 @@ class Call:
                  compiling: bool = False):
         self.args = args
         self.kwargs = kwargs
-        self.grads: list[list[Tensor]] = [[] for _ in range(n_outputs)]
+        self.grads: list[list[Tensor]] = [[]] if n_outputs == 1 else \
+            [[] for _ in range(n_outputs)]
         self.batch_dim = batch_dim
         self.training = training
         # Under torch.compile a traced ``_version`` is a constant of the trace, not the tensor's
         # live counter: in-place changes after the forward cannot be detected there.
-        self.versions = [None if compiling or not isinstance(a, Tensor) else a._version
-                         for a in args]
+        if len(args) == 1 and not compiling and isinstance(args[0], Tensor):
+            self.versions = [args[0]._version]  # most calls (no comprehension's frame)
+        else:
+            self.versions = [None if compiling or not isinstance(a, Tensor) else a._version
+                             for a in args]
         self.per_sample: dict[str, Tensor] | None = None
         self.watched: list[list[Tensor]] = []
         self.note: object = None
@@ -160,8 +164,9 @@ def _inside_torch_func(compiling: bool) -> bool:
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
                      call: tuple[nn.Module, Call] | None = None) -> list[Callable]:
-    """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); set
-    ``owner.backward_seen`` and, for a call's output (``call``: ``(module, record)``), call
+    """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); on the
+    step's first arrival set ``owner.backward_seen`` and call each of ``owner.on_backward``;
+    for a call's output (``call``: ``(module, record)``), call
     ``owner.on_gradient(module, record)`` when one arrives (if set then). Returns the hooks
     registered (autograd's graph holds them, nothing else does: see :attr:`Call.hooks`).
 
@@ -178,7 +183,10 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     def arrived(grad: Tensor) -> None:
         sink.append(grad)
         if owner is not None:
-            owner.backward_seen = True
+            if not owner.backward_seen:
+                owner.backward_seen = True
+                for notify in owner.on_backward:
+                    notify()
             if call is not None and owner.on_gradient is not None:
                 owner.on_gradient(*call)
 
@@ -325,9 +333,8 @@ class HookState:
     capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
     ``(module, call) -> batch size`` of a call (raises when it cannot tell).
     Written outside this file: ``enabled`` (pausing capture), ``unseen``, ``sharded_of`` and
-    ``broadcast``
-    (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``watchers`` and ``on_capture``
-    (add-ons' callbacks).
+    ``broadcast`` (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``on_backward``,
+    ``watchers`` and ``on_capture`` (add-ons' callbacks).
 
     Inputs broadcast over the batch (``broadcast``): a call with batch size 1 in a step whose
     earlier calls saw a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared
@@ -367,6 +374,9 @@ class HookState:
         self._graphs_freed = [0]
         self._on_graph_freed = partial(_count_freed, self._graphs_freed)
         self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
+        # called when the step's first captured gradient arrives (its forward is over), before
+        # autograd reaches any parameter whose uses all went through captured tensors
+        self.on_backward: list[Callable[[], None]] = []
         # called as on_gradient(module, call) after a gradient of a call's output is captured
         # (set for the length of a backward by an add-on)
         self.on_gradient: Callable[[nn.Module, Call], None] | None = None
@@ -393,8 +403,10 @@ class HookState:
     def forward_hook(self, owner: nn.Module, module: nn.Module, args: tuple, kwargs: dict,
                      output: Any) -> Any:
         """Record a call of ``owner`` (see :class:`ForwardHook`)."""
+        if module is not owner or not self.enabled or not torch.is_grad_enabled():
+            return  # the cheap tests first: this runs on every call of every hooked module
         compiling = torch.compiler.is_compiling()
-        if module is not owner or not self.capturing(compiling) or not self.captures(owner):
+        if _inside_torch_func(compiling) or not self.captures(owner):
             return
         if isinstance(output, Tensor):
             if not output.requires_grad:
@@ -439,7 +451,9 @@ class HookState:
                 for notify in self.on_capture:
                     notify(tensor)
         if not compiling:
-            call.hooks = [weakref.ref(hook, self._on_graph_freed) for hook in hooks]
+            freed = self._on_graph_freed
+            call.hooks = [weakref.ref(hooks[0], freed)] if len(hooks) == 1 else \
+                [weakref.ref(hook, freed) for hook in hooks]
         if self._graphs_freed[0]:
             self.drop_unreachable()
         self.calls[owner].append(call)

@@ -89,6 +89,75 @@ def test_parameter_only_used_outside_any_forward():
         assert_matches_loop(Model(), [torch.randn(4, 3)])
 
 
+class FunctionalHead(nn.Module):
+    """``head`` is never called: its weights are used by ``F.linear`` after the hooked layer, so
+    autograd reaches them before any hooked output's gradient (``functional=False``: called)."""
+
+    def __init__(self, functional=True):
+        super().__init__()
+        self.functional = functional
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return F.linear(h, self.head.weight, self.head.bias) if self.functional else self.head(h)
+
+
+def zeroing_styles(model, x, style):
+    """One step's forward and backward with the gradients zeroed as ``style`` says."""
+    if style == "none before":
+        model.zero_grad(set_to_none=True)
+    out = model(x)
+    if style == "none after":
+        model.zero_grad(set_to_none=True)
+    elif style == "zeros after":
+        model.zero_grad(set_to_none=False)
+    out.pow(2).sum().backward()  # "accumulate": onto the last step's gradients
+
+
+STYLES = ["none before", "none after", "zeros after", "accumulate"]
+
+
+@pytest.mark.parametrize("check", [True, "always"])
+@pytest.mark.parametrize("style", STYLES)
+def test_a_parameter_reached_before_any_hooked_output_is_reported(style, check):
+    """The check's hooks are registered at the step's first captured gradient; what autograd
+    accumulated before (the functional head's weights, reached first) is counted from a new
+    .grad, or, added in place to an older one, reported as it is. A step that raised is not
+    checked: the next is due again, also under the sampled schedule."""
+    torch.manual_seed(0)
+    model, x = FunctionalHead().double(), torch.randn(5, 3, dtype=torch.float64)
+    with psh.add_hooks(model, check_unseen=check):
+        for step in range(3):
+            zeroing_styles(model, x, style)
+            in_place = style in ("zeros after", "accumulate") and step > 0
+            how = (r"autograd added to its \.grad before any hooked module's output" if in_place
+                   else "its gradient differs by")
+            with pytest.raises(psh.PerSampleHooksError,
+                               match=rf"'head\.(weight|bias)' has a gradient term that no hook "
+                                     rf"sees \({how}"):
+                psh.compute_grad1(model, loss_type="sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("style", STYLES)
+def test_every_way_of_zeroing_gradients_passes_the_check(style, dtype):
+    """No false alarm whatever the loop does with .grad between the steps' forwards and
+    backwards, on every step checked; grad1 exact."""
+    torch.manual_seed(0)
+    model, x = FunctionalHead(functional=False).to(dtype), torch.randn(5, 3, dtype=dtype)
+    with psh.add_hooks(model, check_unseen="always") as state:
+        for _ in range(3):
+            zeroing_styles(model, x, style)
+            psh.compute_grad1(model, loss_type="sum")
+        assert state.unseen.schedule.checks == 3
+        expected = torch.func.vmap(torch.func.grad(
+            lambda p, xi: torch.func.functional_call(model, p, (xi[None],)).pow(2).sum()),
+            in_dims=(None, 0))(dict(model.named_parameters()), x)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[name])
+
+
 def test_check_off_and_input_only_gradients():
     torch.manual_seed(0)
     model = TiedLanguageModel("matmul")
