@@ -213,11 +213,11 @@ class _Forward:
         seen as expected."""
         if self.problem or self.out_calls != 1 or not self._rows_covered():
             return [], None
-        length, batch = self.sources[0].shape[:2]
+        shape = (*self.sources[0].shape[:2], self.out_weight.shape[1])  # [L, B, E]
         attended = self.captured.attended
-        if attended.numel() != length * batch * self.out_weight.shape[1]:
+        if attended.numel() != shape[0] * shape[1] * shape[2]:
             return [], None
-        self.captured.attended = attended.reshape(length, batch, -1)
+        self.captured.attended = attended.reshape(shape)
         return self.watched, self.captured
 
     def _rows_covered(self) -> bool:
