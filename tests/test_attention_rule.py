@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
@@ -543,3 +544,47 @@ def test_output_edges_backward_captured(batch_first, decoder):
     for n, g in expected.items():
         torch.testing.assert_close(got[n], g, rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+class Scaled(nn.Module):
+    """A raw parameter around an attention child: its uses followed by the raw-uses mode,
+    suspended while the attention (captured) runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(8))
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return x + self.gamma * self.attention(x, x, x, need_weights=False)[0]
+
+
+class Names(TorchFunctionMode):
+    """A user's torch-function mode: records the names of the functions it is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def test_raw_parameter_parent_and_a_user_s_mode():
+    """Inside a module whose raw parameters are followed, the attention is captured; under a
+    user's own torch-function mode it is not (the mode is handed the functional forward whole,
+    as without hooks) and is recomputed; exact both ways."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    assert capture_paths(model, [x], weighted_square) == [True]
+    assert_matches(model, [x], [0], weighted_square)
+    mode = Names()
+    with mode:
+        assert capture_paths(model, [x], weighted_square) == [False]
+        assert "multi_head_attention_forward" in mode.seen and "linear" not in mode.seen
+        got = hooked_grads(model, [x], weighted_square)
+    expected = loop_grads_of(model, ([x[i:i + 1]] for i in range(4)), weighted_square)
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-9, atol=1e-10)

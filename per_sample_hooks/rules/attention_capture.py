@@ -17,9 +17,10 @@ pre-hook for the length of the module's forward (as :mod:`per_sample_hooks.raw_u
 False, so that its ops, ``linear`` among them, reach the mode one by one: torch's own forward,
 op for op, nothing recomputed or replaced. A call is captured only when everything is as
 expected (plain tensors, batched 3-D inputs, no ``bias_k`` / ``bias_v`` or static keys, one
-out-projection, in-projections covering each in-projection weight's rows once); otherwise, and
-under ``torch.compile``, its note is None and the rule recomputes the attention
-(:mod:`.attention`).
+out-projection, in-projections covering each in-projection weight's rows once, no other
+torch-function mode active: it would see the ops instead of the functional forward whole);
+otherwise, and under ``torch.compile``, its note is None and the rule recomputes the
+attention (:mod:`.attention`).
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ class ProjectionCapture(TorchFunctionMode):
         """Run the functional forward op by op under the mode, when the call is covered."""
         arguments = dict(zip(_ARGUMENTS, args), **kwargs)
         unchecked = _unchecked(func)
-        if unchecked is None or not _covered(arguments):
+        if unchecked is None or not _covered(arguments) or torch._C._len_torch_function_stack():
+            # another mode below this one (the user's) is handed the functional forward whole
             return func(*args, **kwargs)
         self.call = _Forward(arguments)
         try:
