@@ -312,6 +312,8 @@ def captured_forms(module: nn.MultiheadAttention, call: Call, note: Captured,
     if "out_proj.bias" in names:
         terms.append(("out_proj.bias", one_group(grad_out, None)))
     if "out_proj.weight" in names:
+        if note.attended is None:  # frozen in the forward
+            return None
         attended = note.attended.transpose(0, 1).to(grad_out.dtype)  # [B, L, E]
         terms.append(("out_proj.weight", one_group(grad_out, attended)))
     inputs = bind(module, call) if any(n in names for n in IN_PROJ) else None

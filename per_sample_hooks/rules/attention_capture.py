@@ -53,7 +53,8 @@ class Projection:
 class Captured:
     """What one call's forward left for its per-sample gradients: the in-projections, in the
     order of the call's watched tensors (their outputs, ``[L, B, rows]``), and the input of
-    the out-projection, ``[L, B, E]`` (sequence first, as inside the functional forward)."""
+    the out-projection, ``[L, B, E]`` (sequence first, as inside the functional forward; None
+    when ``out_proj.weight`` is frozen)."""
     projections: list[Projection] = field(default_factory=list)
     attended: Tensor | None = None
 
@@ -186,7 +187,8 @@ class _Forward:
         x, weight, bias = given.get("input"), given.get("weight"), given.get("bias")
         if weight is self.out_weight:
             self.out_calls += 1
-            self.captured.attended = x.detach()
+            if weight.requires_grad:  # else not needed: not held
+                self.captured.attended = x.detach()
             return
         found = self.projection_weight(weight)
         if found is None:
@@ -217,9 +219,10 @@ class _Forward:
             return [], None
         shape = (*self.sources[0].shape[:2], self.out_weight.shape[1])  # [L, B, E]
         attended = self.captured.attended
-        if attended.numel() != shape[0] * shape[1] * shape[2]:
-            return [], None
-        self.captured.attended = attended.reshape(shape)
+        if attended is not None:
+            if attended.numel() != shape[0] * shape[1] * shape[2]:
+                return [], None
+            self.captured.attended = attended.reshape(shape)
         return self.watched, self.captured
 
     def _rows_covered(self) -> bool:
