@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from .capture import STATE_ATTRIBUTE, HookState, get_state, live_states, unwrap
 from .errors import PerSampleHooksError, UnsupportedModuleError
-from .raw_uses import follow_raw_uses
 from .rules import RuleRegistry, default_registry
 from .rules.base import KeptGrads
 from .rules.fallback import FallbackRule
@@ -190,10 +189,11 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call))
-    for module in followed:
-        state.watchers[module], handles = follow_raw_uses(module, modules[module][1],
-                                                          state.capturing)
-        state.handles += handles
+    for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
+        watching = rule.watch(module, modules[module][1], state.capturing)
+        if watching is not None:
+            state.watchers[module], handles = watching
+            state.handles += handles
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)

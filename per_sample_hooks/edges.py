@@ -38,7 +38,9 @@ class OutputEdges:
     layer's could be freed during the backward (measured: the T=256 token model's clipping
     step peaked at 1.23x a plain step that way, 1.15x now). For
     :func:`~per_sample_hooks.clip_grads`, which rebuilds the gradients from the captured pairs
-    anyway (book-keeping, Bu et al. 2023).
+    anyway (book-keeping, Bu et al. 2023), and for
+    :func:`~per_sample_hooks.compute_grad1` where ``p.grad`` is not needed or is taken as the
+    mean (sum) of ``grad1``.
 
     ``form_on_arrival=True``: as each layer's output gradient arrives, form its per-sample
     gradients (into buffers freed with the step's records) and drop its captured input and

@@ -1,14 +1,20 @@
-"""The native nn.MultiheadAttention rule against the float64 per-sample loop, every option."""
+"""The native nn.MultiheadAttention rule against the float64 per-sample loop, every option,
+both ways: projections captured in the forward, and the attention recomputed."""
+import copy
+from contextlib import contextmanager
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
-from per_sample_hooks.rules.attention import MultiheadAttentionRule
+from per_sample_hooks.rules.attention import MultiheadAttentionRule, captured
 
 HEADS = "heads"  # a [B * heads, L, S] mask: sample i owns rows heads*i ... heads*i + heads - 1
 
@@ -49,12 +55,42 @@ def sample(x, spec, i, heads):
     return x.narrow(spec, i, 1)
 
 
-def assert_matches(model, inputs, specs, loss_fn, loss_type="mean", heads=2, **hook_options):
+@contextmanager
+def recomputing(recompute=True):
+    """Models hooked inside capture nothing in the attention's forward: every call is
+    recomputed."""
+    if not recompute:
+        yield
+        return
+    with mock.patch.object(MultiheadAttentionRule, "watch", lambda *args: None):
+        yield
+
+
+def capture_paths(model, inputs, loss_fn, **hook_options):
+    """Per attention call of one hooked forward and backward: whether its projections were
+    captured (and serve its per-sample gradients)."""
+    state = psh.add_hooks(model, **hook_options)
+    try:
+        loss_fn(model(*inputs)).sum().backward()
+        return [captured(call) is not None for module, calls in state.calls.items()
+                if isinstance(module, nn.MultiheadAttention) for call in calls]
+    finally:
+        psh.remove_hooks(model)
+
+
+def assert_matches(model, inputs, specs, loss_fn, loss_type="mean", heads=2, recompute=False,
+                   **hook_options):
     """``compute_grad1`` against the float64 loop; input ``j``'s samples are at ``specs[j]``
-    (None: shared, HEADS: a per-sample block of rows). Also: attention handled by its rule."""
+    (None: shared, HEADS: a per-sample block of rows). Also: attention handled by its rule,
+    its projections captured unless ``recompute`` (or the module has ``bias_k``)."""
     model = model.double()
     inputs = [to_double(x) for x in inputs]
-    got = hooked_grads(model, inputs, loss_fn, loss_type, **hook_options)
+    with recomputing(recompute):
+        got = hooked_grads(model, inputs, loss_fn, loss_type, **hook_options)
+        paths = capture_paths(model, inputs, loss_fn, **hook_options)
+    expect_captured = [not recompute and m.bias_k is None for m in model.modules()
+                       if isinstance(m, nn.MultiheadAttention)]
+    assert paths and set(paths) == set(expect_captured)
     batch = inputs[0].shape[specs[0]]
     expected = loop_grads_of(model, ([sample(x, s, i, heads) for x, s in zip(inputs, specs)]
                                      for i in range(batch)), loss_fn)
@@ -85,10 +121,10 @@ def assert_native(model):
        mask=st.sampled_from([None, "bool", "float", "bool3", "float3", "causal"]),
        padding=st.sampled_from([None, "bool", "float"]), need_weights=st.booleans(),
        use_weights=st.booleans(), average=st.booleans(),
-       loss_type=st.sampled_from(["mean", "sum"]))
+       loss_type=st.sampled_from(["mean", "sum"]), recompute=st.booleans())
 def test_every_option(batch_first, batch, length, source, kind, bias, add_bias_kv,
                       add_zero_attn, mask, padding, need_weights, use_weights, average,
-                      loss_type):
+                      loss_type, recompute):
     torch.manual_seed(0)
     heads, embed = 2, 6
     kdim, vdim = (5, 3) if kind == "kv_dims" else (embed, embed)
@@ -129,7 +165,7 @@ def test_every_option(batch_first, batch, length, source, kind, bias, add_bias_k
     inputs = [q, k, v, key_padding_mask, attn_mask, need_weights, average, is_causal]
     specs = [dim, dim, dim, 0, HEADS if mask in ("bool3", "float3") else None, None, None, None]
     assert_matches(model, inputs, specs, attention_loss(dim, use_weights), loss_type,
-                   batch_dim={"head": dim})
+                   recompute=recompute, batch_dim={"head": dim})
     assert_native(model)
 
 
@@ -164,27 +200,35 @@ class Reused(nn.Module):
         return self.head(out), weights
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("options", [{}, {"add_bias_kv": True, "add_zero_attn": True},
                                      {"kdim": 3, "vdim": 3, "bias": False}])
-def test_module_called_twice(options, loss_type):
+def test_module_called_twice(options, loss_type, recompute):
     torch.manual_seed(0)
     memory_dim = options.get("kdim", 4)
     inputs = [torch.randn(4, 3, 4), torch.randn(4, 5, memory_dim)]
-    assert_matches(Reused(**options), inputs, [0, 0], attention_loss(0), loss_type)
+    assert_matches(Reused(**options), inputs, [0, 0], attention_loss(0), loss_type,
+                   recompute=recompute)
 
 
 @pytest.mark.parametrize("frozen", ["in_proj", "out_proj", "out_proj.bias", "bias_k",
-                                    "all_but_bias_v", "separate_q_v"])
-def test_frozen_parameters(frozen):
+                                    "all_but_bias_v", "all_but_bias_v_or_in_proj_bias",
+                                    "separate_q_v"])
+@pytest.mark.parametrize("bias_kv", [True, False])
+def test_frozen_parameters(frozen, bias_kv):
     torch.manual_seed(0)
     separate = frozen == "separate_q_v"
-    model = Attention(4, 2, batch_first=True, add_bias_kv=True, kdim=3 if separate else None)
+    if not bias_kv and frozen in ("bias_k", "all_but_bias_v"):
+        pytest.skip("no bias_k to freeze")
+    model = Attention(4, 2, batch_first=True, add_bias_kv=bias_kv, kdim=3 if separate else None)
     attention = model.attention
     names = {"in_proj": ["in_proj_weight", "in_proj_bias"],
              "out_proj": ["out_proj.weight", "out_proj.bias"],
              "out_proj.bias": ["out_proj.bias"], "bias_k": ["bias_k"],
              "all_but_bias_v": [n for n, _ in attention.named_parameters() if n != "bias_v"],
+             "all_but_bias_v_or_in_proj_bias": [n for n, _ in attention.named_parameters()
+                                                if n not in ("bias_v", "in_proj_bias")],
              "separate_q_v": ["q_proj_weight", "v_proj_weight"]}[frozen]
     for n in names:
         attention.get_parameter(n).requires_grad_(False)
@@ -217,9 +261,10 @@ def test_several_backward_passes_sum():
             torch.testing.assert_close(got[n][i], g, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_transformer_encoder_layer(norm_first, batch_first):
+def test_transformer_encoder_layer(norm_first, batch_first, recompute):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
                                        batch_first=batch_first, norm_first=norm_first)
@@ -242,13 +287,15 @@ def test_transformer_encoder_layer(norm_first, batch_first):
     for pad in (None, padding):
         x = torch.randn(batch, length, 8) if batch_first else torch.randn(length, batch, 8)
         assert_matches(Model(), [x, pad], [dim, 0],
-                       lambda out: weighted_square(out.movedim(dim, 0)), batch_dim=dim)
+                       lambda out: weighted_square(out.movedim(dim, 0)), recompute=recompute,
+                       batch_dim=dim)
     assert_native(Model())
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_transformer_decoder_layer(norm_first, batch_first):
+def test_transformer_decoder_layer(norm_first, batch_first, recompute):
     torch.manual_seed(0)
     layer = nn.TransformerDecoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
                                        batch_first=batch_first, norm_first=norm_first)
@@ -270,7 +317,8 @@ def test_transformer_decoder_layer(norm_first, batch_first):
     shape = (lambda n: (batch, n, 8)) if batch_first else (lambda n: (n, batch, 8))
     assert_matches(Model(), [torch.randn(shape(length)), torch.randn(shape(source)),
                              memory_padding], [dim, dim, 0],
-                   lambda out: weighted_square(out.movedim(dim, 0)), "sum", batch_dim=dim)
+                   lambda out: weighted_square(out.movedim(dim, 0)), "sum", recompute=recompute,
+                   batch_dim=dim)
 
 
 class AttentionThenHead(nn.Module):
@@ -306,18 +354,20 @@ def test_norms_and_clipping(frozen, options, loss_type):
     assert_clipping_matches(Model(frozen, **options), [x], 0.5, loss_type=loss_type)
 
 
+@pytest.mark.parametrize("bias_kv", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype):
+def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype, bias_kv):
     """The rule's weighted sum with unit weights (the unseen-use check's hooked sum) equals
     autograd's batch-summed gradient; grad1, norms and clipping, each checked, raise no
-    unseen-use alarm."""
+    unseen-use alarm (recomputed with bias_k / bias_v, else captured)."""
     torch.manual_seed(0)
-    model = AttentionThenHead(None, add_bias_kv=True, add_zero_attn=True).to(dtype)
+    model = AttentionThenHead(None, add_bias_kv=bias_kv, add_zero_attn=True).to(dtype)
     x = torch.randn(6, 5, 4, dtype=dtype)
     state = psh.add_hooks(model, check_unseen="always")
     try:
         weighted_square(model(x)).mean().backward()
         calls = [c for c in state.calls[model.att] if c.has_grads]
+        assert [captured(c) is not None for c in calls] == [not bias_kv]
         params = dict(model.att.named_parameters())
         out = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
         MultiheadAttentionRule().weighted_sum(model.att, calls, torch.ones(6, dtype=dtype), out)
@@ -337,9 +387,11 @@ def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype):
         psh.remove_hooks(model)
 
 
-def test_dropout_refused_in_training_only():
+def test_dropout_refused_in_training_when_recomputed():
+    """Dropout in training: a call whose projections were not captured (bias_k / bias_v)
+    would be recomputed with other random masks: refused; in eval mode it is exact."""
     torch.manual_seed(0)
-    model = Attention(4, 2, batch_first=True, dropout=0.5)
+    model = Attention(4, 2, batch_first=True, dropout=0.5, add_bias_kv=True)
     x = torch.randn(3, 2, 4)
     psh.add_hooks(model)
     try:
@@ -352,6 +404,42 @@ def test_dropout_refused_in_training_only():
     assert_matches(model, [x, x, x], [0, 0, 0], attention_loss(0))
 
 
+def same_forward_grads(model, losses):
+    """``{name: [B, *p.shape]}``: each sample's loss differentiated through the same forward
+    (its dropout masks): the per-sample gradients of a model whose samples do not interact."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rows = [torch.autograd.grad(loss, list(params.values()), retain_graph=True)
+            for loss in losses]
+    return {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_dropout_in_training_captured_exact(batch_first, dtype):
+    """Dropout in training (attention and the layer's own): the captured projections are those
+    of the step's forward, so grad1 is exact; truth: each sample's loss through the same
+    forward."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(8, 2, dim_feedforward=12, dropout=0.3,
+                                       batch_first=batch_first).to(dtype)
+    dim = 0 if batch_first else 1
+    shape = (lambda n: (3, n, 8)) if batch_first else (lambda n: (n, 3, 8))
+    tgt, memory = torch.randn(shape(4), dtype=dtype), torch.randn(shape(5), dtype=dtype)
+    psh.add_hooks(layer, batch_dim=dim)
+    try:
+        losses = weighted_square(layer(tgt, memory).movedim(dim, 0))
+        losses.mean().backward(retain_graph=True)
+        psh.compute_grad1(layer)
+        got = {n: p.grad1.clone() for n, p in layer.named_parameters()}
+    finally:
+        psh.remove_hooks(layer)
+    expected = same_forward_grads(layer, losses)
+    tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4,
+                                                                                 atol=1e-5)
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, msg=lambda m, n=n: f"{n}: {m}", **tolerance)
+
+
 def test_unbatched_query_refused():
     model = nn.Sequential(nn.MultiheadAttention(4, 2))
     x = torch.randn(3, 4)
@@ -362,3 +450,141 @@ def test_unbatched_query_refused():
             psh.compute_grad1(model)
     finally:
         psh.remove_hooks(model)
+
+
+class Encoder(nn.Module):
+    """Two encoder layers (or a decoder layer on a memory) on a float input that needs no
+    gradient, mean-pooled, then a head."""
+
+    def __init__(self, batch_first, decoder=False):
+        super().__init__()
+        options = dict(dim_feedforward=12, dropout=0.0, batch_first=batch_first)
+        if decoder:
+            self.body = nn.TransformerDecoderLayer(8, 2, **options)
+        else:
+            self.body = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, **options), 2,
+                                              enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+        self.dim = 1 if batch_first else 0  # the sequence dim
+
+    def forward(self, x, padding, memory=None):
+        if memory is None:
+            h = self.body(x, src_key_padding_mask=padding)
+        else:
+            h = self.body(x, memory, tgt_mask=nn.Transformer.generate_square_subsequent_mask(
+                x.shape[self.dim], dtype=x.dtype), tgt_is_causal=True,
+                memory_key_padding_mask=padding)
+        return self.head(h.mean(self.dim))
+
+
+def encoder_inputs(batch_first, decoder, dtype=torch.float32):
+    torch.manual_seed(1)
+    shape = (lambda n: (5, n, 8)) if batch_first else (lambda n: (n, 5, 8))
+    padding = torch.zeros(5, 6, dtype=torch.bool)
+    padding[2, -2:] = True
+    x = torch.randn(shape(4) if decoder else shape(6), dtype=dtype)
+    return [x, padding] + ([torch.randn(shape(6), dtype=dtype)] if decoder else [])
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_captured_float32_against_float64_loop(batch_first, decoder):
+    """float32 grad1 of captured encoder and decoder layers (masks, padding, causal) against
+    the float64 per-sample loop."""
+    torch.manual_seed(0)
+    model = Encoder(batch_first, decoder)
+    inputs = encoder_inputs(batch_first, decoder)
+    dim = 0 if batch_first else 1
+    specs = [dim, 0, dim][:len(inputs)]
+    batch_dim = {"body": dim}
+    assert all(capture_paths(model, inputs, weighted_square, batch_dim=batch_dim))
+    psh.add_hooks(model, batch_dim=batch_dim)
+    try:
+        weighted_square(model(*inputs)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    reference = copy.deepcopy(model).double()
+    expected = loop_grads_of(reference, ([sample(to_double(x), s, i, 2)
+                                          for x, s in zip(inputs, specs)] for i in range(5)),
+                             weighted_square)
+    for n, g in expected.items():
+        scale = g.abs().max().item()
+        torch.testing.assert_close(got[n].double(), g, rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_output_edges_backward_captured(batch_first, decoder):
+    """``OutputEdges(model).backward(loss)``: no parameter gradient, the projections' output
+    gradients captured all the same (their edges are recorded, though the input needs no
+    gradient), grad1 exact against the float64 loop."""
+    from per_sample_hooks.dp import OutputEdges
+    torch.manual_seed(0)
+    model = Encoder(batch_first, decoder).double()
+    inputs = [to_double(x) for x in encoder_inputs(batch_first, decoder)]
+    dim = 0 if batch_first else 1
+    state = psh.add_hooks(model, batch_dim={"body": dim}, check_unseen=False)
+    try:
+        edges = OutputEdges(model)
+        edges.backward(weighted_square(model(*inputs)).mean())
+        assert all(p.grad is None for p in model.parameters())
+        calls = [c for m, cs in state.calls.items() if isinstance(m, nn.MultiheadAttention)
+                 for c in cs]
+        assert calls and all(captured(c) is not None for c in calls)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    specs = [dim, 0, dim][:len(inputs)]
+    expected = loop_grads_of(model, ([sample(x, s, i, 2) for x, s in zip(inputs, specs)]
+                                     for i in range(5)), weighted_square)
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+class Scaled(nn.Module):
+    """A raw parameter around an attention child: its uses followed by the raw-uses mode,
+    suspended while the attention (captured) runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(8))
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return x + self.gamma * self.attention(x, x, x, need_weights=False)[0]
+
+
+class Names(TorchFunctionMode):
+    """A user's torch-function mode: records the names of the functions it is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def test_raw_parameter_parent_and_a_user_s_mode():
+    """Inside a module whose raw parameters are followed, the attention is captured; under a
+    user's own torch-function mode it is not (the mode is handed the functional forward whole,
+    as without hooks) and is recomputed; exact both ways."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    assert capture_paths(model, [x], weighted_square) == [True]
+    assert_matches(model, [x], [0], weighted_square)
+    mode = Names()
+    with mode:
+        assert capture_paths(model, [x], weighted_square) == [False]
+        assert "multi_head_attention_forward" in mode.seen and "linear" not in mode.seen
+        got = hooked_grads(model, [x], weighted_square)
+    expected = loop_grads_of(model, ([x[i:i + 1]] for i in range(4)), weighted_square)
+    for n, g in expected.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-9, atol=1e-10)

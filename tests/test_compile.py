@@ -87,3 +87,40 @@ def test_add_hooks_on_a_compiled_module_is_refused():
                        r"compiled = torch.compile\(model\)"):
         psh.add_hooks(compiled)
     assert not any(m._forward_hooks for m in compiled.modules())
+
+
+def test_compiled_attention_recomputed_exact():
+    """Under torch.compile the attention's projections are not captured (the capture's
+    torch-function mode is not entered while dynamo traces): its calls are recomputed, exact."""
+    from per_sample_hooks.rules.attention import captured
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.MultiheadAttention(6, 2, batch_first=True)
+            self.head = nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.head(self.attention(x, x, x, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    net = Attend().double()
+    state = psh.add_hooks(net)
+    if not hasattr(torch, "compile"):
+        pytest.skip("torch.compile is not available")
+    compiled = torch.compile(net, backend=BACKEND)
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    try:
+        try:
+            losses = weighted_square(compiled(x))
+        except Exception as error:  # noqa: BLE001 - any failure to compile means: not available
+            pytest.skip(f"torch.compile({BACKEND}) does not work here: {error}")
+        losses.mean().backward()
+        assert [captured(call) is not None for call in state.calls[net.attention]] == [False]
+        psh.compute_grad1(net)
+        got = {n: p.grad1.clone() for n, p in net.named_parameters()}
+    finally:
+        psh.remove_hooks(net)
+    expected = loop_grads(net, [x], weighted_square, 4)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)

@@ -154,8 +154,11 @@ def test_fallback_off_raises_unsupported():
 
 
 def test_dropout_in_unit_refused_in_training_only():
+    """Attention recomputed (with bias_k / bias_v its projections are not captured), dropout in
+    training: refused."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True))
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True,
+                                                add_bias_kv=True))
 
     class Wrapper(nn.Module):
         def __init__(self):

@@ -1,4 +1,10 @@
-"""nn.MultiheadAttention: recompute the attention, then Linear-form per-sample gradients.
+"""nn.MultiheadAttention: Linear-form per-sample gradients, captured or recomputed.
+
+A call whose projections were captured during its forward (:mod:`.attention_capture`: the
+gradient of each in-projection's output and the input of the out-projection, watched) gets its
+forms from those directly: nothing is recomputed (:func:`captured_forms`). Any other call
+(a configuration the capture does not cover: ``bias_k`` / ``bias_v``, ``torch.compile``, ...)
+is recomputed as follows.
 
 For one call (batch first here: ``query [B, L, E]``, ``key [B, S, kdim]``, ``value [B, S, vdim]``)
 with captured gradients ``G [B, L, E]`` of the output and, when the loss used them, ``W_g`` of
@@ -25,8 +31,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +41,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Form, Outer, by_parameter, one_group
+from .attention_capture import Captured, capture_projections
 from .base import Rule, register_rule
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
@@ -203,8 +211,8 @@ def probs_gradient(call: Call, inputs: Inputs, heads: int) -> Tensor | None:
     return (grad_weights / heads).unsqueeze(1)
 
 
-def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
-               ) -> list[tuple[str, Outer]]:
+def recomputed_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
+                     ) -> list[tuple[str, Outer]]:
     """``(parameter name, form)`` of one call for the parameters in ``names`` (only the work
     they need): outer products of the recomputed projections' gradients and inputs; the
     unfused in-projection as three blocks (query, key, value rows); ``bias_k`` ``[1, 1, E]``
@@ -272,6 +280,63 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
     return terms
 
 
+def summed(passes: list[Tensor]) -> Tensor:
+    """The sum of a captured gradient's backward passes."""
+    return passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+
+
+def captured(call: Call) -> Captured | None:
+    """The call's captured projections, when they serve its per-sample gradients: captured,
+    and every watched gradient arrived in each backward pass the output's did (else None:
+    recomputed)."""
+    note = call.note
+    if not isinstance(note, Captured):
+        return None
+    passes = len(call.grads[0])
+    if not passes or any(len(watched) != passes for watched in call.watched):
+        return None
+    return note
+
+
+def captured_forms(module: nn.MultiheadAttention, call: Call, note: Captured,
+                   names: Sequence[str]) -> list[tuple[str, Outer]] | None:
+    """``(parameter name, form)`` of one captured call for the parameters in ``names``:
+    ``out_proj`` from the output gradient ``G`` and the out-projection's input,
+    ``Outer(G, o)``; each in-projection's block of rows ``Outer(dP, x)`` from the watched
+    gradient ``dP`` of its output and its input ``x`` (query, key or value). None when a
+    parameter in ``names`` is in no captured product (recomputed then)."""
+    grad_out = summed(call.grads[0])
+    if not module.batch_first:
+        grad_out = grad_out.transpose(0, 1)  # [B, L, E]
+    terms: list[tuple[str, Outer]] = []
+    if "out_proj.bias" in names:
+        terms.append(("out_proj.bias", one_group(grad_out, None)))
+    if "out_proj.weight" in names:
+        if note.attended is None:  # frozen in the forward
+            return None
+        attended = note.attended.transpose(0, 1).to(grad_out.dtype)  # [B, L, E]
+        terms.append(("out_proj.weight", one_group(grad_out, attended)))
+    inputs = bind(module, call) if any(n in names for n in IN_PROJ) else None
+    for projection, passes in zip(note.projections, call.watched):
+        grad = summed(passes).transpose(0, 1)  # [L, B, rows] -> [B, L, rows]
+        if projection.weight in names:
+            source = (inputs.query, inputs.key, inputs.value)[projection.source]
+            terms.append((projection.weight, one_group(grad, source, projection.weight_rows)))
+        if projection.has_bias and "in_proj_bias" in names:
+            terms.append(("in_proj_bias", one_group(grad, None, projection.bias_rows)))
+    if {n for n, _ in terms} != set(names):
+        return None
+    return terms
+
+
+def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
+               ) -> list[tuple[str, Outer]]:
+    """The captured forms of one call when it has them, else the recomputed ones."""
+    note = captured(call)
+    terms = None if note is None else captured_forms(module, call, note, names)
+    return recomputed_forms(module, call, names) if terms is None else terms
+
+
 @register_rule(nn.MultiheadAttention)
 class MultiheadAttentionRule(Rule):
     covers_children = True
@@ -280,13 +345,21 @@ class MultiheadAttentionRule(Rule):
     def batch_size(self, module: nn.MultiheadAttention, call: Call) -> int:
         return bind(module, call).query.shape[0]
 
+    def watch(self, module: nn.MultiheadAttention, batch_dim: int,
+              capturing: Callable[[], bool]
+              ) -> tuple[Callable[[], tuple[list[Tensor], object]], list[Any]]:
+        """The projections, captured during the forward (:mod:`.attention_capture`)."""
+        return capture_projections(module, capturing)
+
     def check(self, module: nn.MultiheadAttention, calls: Sequence[Call], name: str) -> None:
-        if module.dropout > 0 and any(call.training for call in calls):
+        if module.dropout > 0 and any(call.training and captured(call) is None
+                                      for call in calls):
             raise PerSampleHooksError(
                 f"'{name}' ({type(module).__name__}) has dropout={module.dropout} in training "
-                "mode: the rule recomputes the attention, and dropout would draw a new random "
-                "mask, so per-sample gradients would not be those of the step. Use dropout=0, "
-                "or model.eval() for the step")
+                "mode, and a call whose projections were not captured in its forward (with "
+                "bias_k / bias_v, under torch.compile, ...): the rule recomputes that call's "
+                "attention, and dropout would draw a new random mask, so per-sample gradients "
+                "would not be those of the step. Use dropout=0, or model.eval() for the step")
         for call in calls:
             if bind(module, call).query.dim() != 3:
                 raise PerSampleHooksError(
@@ -295,6 +368,7 @@ class MultiheadAttentionRule(Rule):
 
     def forms(self, module: nn.MultiheadAttention, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
-        """The attention recomputed once per call for all parameters in ``names``."""
+        """Per call, the captured forms, else the attention recomputed once for all
+        parameters in ``names``."""
         return by_parameter((pair for call in calls for pair in call_forms(module, call, names)),
                             names)

@@ -8,7 +8,7 @@ loss, 1 for a sum loss), and knows nothing about hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
@@ -191,6 +191,16 @@ class Rule:
         if rest:
             for name, parts in self.forms(module, calls, rest).items():
                 forms.weighted_sum(out[name], parts, weights)
+
+    def watch(self, module: nn.Module, batch_dim: int, capturing: Callable[[], bool]
+              ) -> tuple[Callable[[], tuple[list[Tensor], object]], list[Any]] | None:
+        """Tensors to watch inside ``module``'s forward, for a rule that needs more of a call
+        than its inputs and output gradients: ``(watcher, hook handles)``, the watcher giving,
+        as a call is recorded, the tensors whose gradients are captured too
+        (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`), see
+        :attr:`HookState.watchers <per_sample_hooks.capture.HookState>`; ``capturing()`` says
+        whether the hooks record now. None (the default): nothing watched."""
+        return None
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls

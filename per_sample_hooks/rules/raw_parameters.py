@@ -22,7 +22,8 @@ with what it did and how to make the module one unit of the ``torch.func`` fallb
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form
-from ..raw_uses import Derived, Uses
+from ..raw_uses import Derived, Uses, follow_raw_uses
 from .base import Rule
 
 
@@ -69,6 +70,11 @@ def pull_back(value: Derived, per_sample: Tensor) -> dict[str, Tensor]:
 
 class RawParameterRule(Rule):
     """Per-sample gradients of a module's own raw parameters from its calls' use sites."""
+
+    def watch(self, module: nn.Module, batch_dim: int, capturing: Callable[[], bool]
+              ) -> tuple[Callable[[], tuple[list[Tensor], Uses]], list[Any]]:
+        """The use sites of the raw parameters, followed op by op."""
+        return follow_raw_uses(module, batch_dim, capturing)
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         for call in calls:
