@@ -61,9 +61,9 @@ ordinary one on a check step.
 """
 from __future__ import annotations
 
+import operator
 import random
 import time
-import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Literal
 
@@ -176,20 +176,25 @@ class UnseenUseCheck:
         self._hooks = [(p, self._total_hook(id(p))) for p in owners]
         # the hooks registered on a checked step
         self._armed: list[tuple[nn.Parameter, RemovableHandle]] = []
-        self._marks: list[GradMark] = []  # each parameter's .grad at the step's start
+        self._params = [p for p, _ in self._hooks]
+        self._marks: list[Tensor | None] = []  # each parameter's .grad at the step's start
+        self._versions: list[int | None] | None = None  # their versions (None: no .grad)
         self.changed_early: list[int] = []  # keys of gradients changed in place before arming
         state.on_clear.append(self.reset)
         state.on_backward.append(self.due)
         self._mark()
 
     def reset(self) -> None:
-        """A new step: nothing decided, compared or armed."""
+        """A new step: nothing decided, compared or armed (runs on every step: the cheap tests
+        first)."""
         self.decision = None
-        self.totals.clear()
-        self.sizes.clear()
+        if self.totals:
+            self.totals.clear()
+            self.sizes.clear()
         self.changed_early.clear()
         self.hook_seconds = 0.0
-        self._disarm()
+        if self._armed:
+            self._disarm()
         if self.compared:
             self.probes.clear()
             self.compared = False
@@ -207,10 +212,14 @@ class UnseenUseCheck:
         self._armed.clear()
 
     def _mark(self) -> None:
-        """Note each parameter's ``.grad`` (a weak reference and its version) at the step's
-        start, so that :meth:`_arm` can tell what autograd accumulated before it."""
-        self._marks = [None if (g := p.grad) is None else (weakref.ref(g), g._version)
-                       for p, _ in self._hooks]
+        """Note each parameter's ``.grad`` and its version at the step's start, so that
+        :meth:`_arm` can tell what autograd accumulated before it. Held until the step's
+        first captured gradient (a ``.grad`` the loop drops after its forward lives until
+        then)."""
+        grads = list(map(_grad_of, self._params))
+        self._marks = grads
+        self._versions = None if grads.count(None) == len(grads) else \
+            [None if g is None else g._version for g in grads]
 
     def due(self) -> bool:
         """Whether this step is checked. Asked by consumers before their backward and, through
@@ -222,6 +231,7 @@ class UnseenUseCheck:
             self.decision = self.schedule.due(captured_structure(self._state))
             if self.decision:
                 self._arm()
+            self._marks = []
         return self.decision
 
     def _arm(self) -> None:
@@ -238,17 +248,16 @@ class UnseenUseCheck:
         gradient) is not known: a nonzero one is reported as an unseen use by :meth:`verify`
         (an in-place zeroing leaves zeros, nothing to count)."""
         start = time.perf_counter()
-        for (p, hook), mark in zip(self._hooks, self._marks):
+        for i, ((p, hook), before) in enumerate(zip(self._hooks, self._marks)):
             if not p.requires_grad:
                 continue
             grad = p.grad
             if grad is not None:
-                if mark is None or mark[0]() is not grad:
+                if before is not grad:
                     hook(grad)
-                elif grad._version != mark[1] and bool(grad.detach().any()):
+                elif grad._version != self._versions[i] and bool(grad.detach().any()):
                     self.changed_early.append(id(p))
             self._armed.append((p, p.register_hook(hook)))
-        self._marks = []
         self.hook_seconds += time.perf_counter() - start
 
     def probe(self, p: Tensor) -> Probe:
@@ -394,7 +403,7 @@ chance that a standard normal is below about ``0.1 (2 + r) / r`` (float32's thre
 eight together with about ``0.24^8 = 1e-5`` for ``r = 1``."""
 
 Probe = tuple[Tensor, Tensor]  # u [N_PROBES, n0], v [N_PROBES, n1]
-GradMark = tuple[weakref.ref, int] | None  # a .grad (weakly) and its version; None: no .grad
+_grad_of = operator.attrgetter("grad")
 
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int]:

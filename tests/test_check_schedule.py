@@ -109,3 +109,32 @@ def test_sampled_checks_run_in_a_training_loop():
         assert checked[0] and not checked[1] and all(checked[2:])
         assert state.unseen.schedule.check_seconds > 0
         assert state.unseen.schedule.step_seconds > 0
+
+
+def test_parameter_hooks_only_on_checked_steps():
+    """The check's gradient hooks are registered on checked steps only, and leave nothing
+    behind: on the other steps autograd calls no hook of the parameters at all (an emptied
+    hook table would still be called); a user's own parameter hook is kept."""
+    torch.manual_seed(0)
+    model = SometimesLeaks()
+    seen = []
+    model.second.bias.register_hook(lambda g: seen.append(1))
+    with psh.add_hooks(model) as state:
+        state.unseen.schedule.budget = 0.0  # new structures only
+        for checked in (True, False, False, True, False):
+            batch = 6 if checked and seen else 5  # a new structure on the fourth step
+            model.leak = False
+            loss = model(torch.randn(batch, 3)).pow(2).sum()
+            armed = []
+            model.first.weight.register_hook(lambda g: armed.append(
+                model.first.weight._backward_hooks is not None
+                and len(model.first.weight._backward_hooks) > 1))
+            loss.backward()
+            assert armed == [checked]
+            psh.compute_grad1(model)
+            model.first.weight._backward_hooks = None  # the probe hook of this test
+            assert model.second.bias._backward_hooks is not None  # the user's hook stays
+            if not checked:  # the last checked step's hooks removed, their table dropped
+                assert model.first.bias._backward_hooks is None
+        assert len(seen) == 5 and state.unseen.schedule.checks == 2
+    assert model.first.bias._backward_hooks is None
