@@ -7,7 +7,8 @@ check compares, for every hooked parameter ``p``, random projections (``u_k^T g 
 :data:`N_PROBES` Gaussian probes, new for every step compared, ``p`` seen as a matrix) of:
 
 - the *total*: the gradient autograd hands ``p`` in each backward pass of the step (a tensor
-  hook on the parameter, so gradients the user did not zero do not matter), summed over passes;
+  hook on the parameter, registered on checked steps only, so gradients the user did not zero
+  do not matter), summed over passes;
 - the *hooked* sum: the sum over samples of ``p``'s per-sample contributions, computed by the
   rules through the code that computes every other quantity (the weighted sum with unit
   weights, or the per-sample gradients already written), summed over the modules that own
@@ -218,8 +219,9 @@ class UnseenUseCheck:
         then)."""
         grads = list(map(_grad_of, self._params))
         self._marks = grads
-        self._versions = None if grads.count(None) == len(grads) else \
-            [None if g is None else g._version for g in grads]
+        # (not grads.count(None): it compares with ==, a Tensor.__eq__ call per .grad)
+        self._versions = [None if g is None else g._version for g in grads] \
+            if any(g is not None for g in grads) else None
 
     def due(self) -> bool:
         """Whether this step is checked. Asked by consumers before their backward and, through
