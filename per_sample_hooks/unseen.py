@@ -42,14 +42,15 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
    times, with which batch size) differs from every step checked so far;
 2. after that a random sample of steps, each step checked with probability
    ``min(1, 0.01 * step time / check cost)`` (both measured, running averages; the step time
-   is that of its backward, up to the ``compute_*`` call, an underestimate of a training
-   step), so that the sampled checks cost at most about 1% of the training time.
+   is that of its forward and backward, up to the ``compute_*`` call, an underestimate of a
+   training step), so that the sampled checks cost at most about 1% of the training time.
 
-On the other steps the check costs a few microseconds: a look at each parameter's ``.grad`` at
-the step's start, and the decision at its first captured gradient. The parameters' gradient
-hooks are registered on checked steps only (:meth:`UnseenUseCheck._arm`): a hook costs a
-Python call per parameter per backward. In all, on the seed-003 MLP (six parameters, a step
-of 0.4 ms, the worst case in ``benchmarks``) the check costs about 2% of the step.
+On the other steps the check costs a few microseconds: a draw and a look at each parameter's
+``.grad`` at the step's start, and the decision at its first captured gradient. The
+parameters' gradient hooks are registered on checked steps only
+(:meth:`UnseenUseCheck._arm`): a hook costs a Python call per parameter per backward. In all,
+on the seed-003 MLP (six parameters, a step of 0.4 ms, the worst case in ``benchmarks``) the
+check costs about 2-3% of the step; on the other benchmark models, within their noise.
 
 It guarantees that every structure is checked before its per-sample quantities are returned. It
 does not guarantee that a use outside the modules that appears only on some steps of an
@@ -107,20 +108,24 @@ class Schedule:
         self.steps_measured = 0
 
     def due(self, structure: Hashable) -> bool:
-        if self.mode == "always" or structure not in self.checked:
+        return structure not in self.checked or self.sampled()
+
+    def sampled(self) -> bool:
+        """Whether a step of a checked structure is checked: always, or drawn with probability
+        ``budget * step time / check time``."""
+        if self.mode == "always":
             return True
         if not self.budget or not self.step_seconds or not self.check_seconds:
             return False
-        chance = self.budget * self.step_seconds / self.check_seconds
-        return self.random.random() < chance
+        return self.random.random() < self.budget * self.step_seconds / self.check_seconds
 
     def step_started(self) -> None:
-        """The step's first captured gradient (or a consumer's question) arrived."""
+        """The step's first hooked forward began."""
         self._started = time.perf_counter()
 
     def step_measured(self) -> None:
         """A ``compute_*`` call reads the step: the time since :meth:`step_started` is the
-        step's measure (its backward; the forward, the optimizer and anything else between
+        step's measure (its forward and backward; the optimizer and anything else between
         steps are not counted, so the checks cost less than ``budget`` of the training time,
         also when steps of other models run in between, as in interleaved benchmarks)."""
         if self._started is not None:
@@ -178,12 +183,14 @@ class UnseenUseCheck:
         # the hooks registered on a checked step
         self._armed: list[tuple[nn.Parameter, RemovableHandle]] = []
         self._params = [p for p, _ in self._hooks]
+        self._nones = [None] * len(self._params)
         self._marks: list[Tensor | None] = []  # each parameter's .grad at the step's start
         self._versions: list[int | None] | None = None  # their versions (None: no .grad)
         self.changed_early: list[int] = []  # keys of gradients changed in place before arming
+        self._sampled = False  # this step is checked if its structure was (drawn at its start)
         state.on_clear.append(self.reset)
         state.on_backward.append(self.due)
-        self._mark()
+        self._start()
 
     def reset(self) -> None:
         """A new step: nothing decided, compared or armed (runs on every step: the cheap tests
@@ -199,7 +206,7 @@ class UnseenUseCheck:
         if self.compared:
             self.probes.clear()
             self.compared = False
-        self._mark()
+        self._start()
 
     def _disarm(self) -> None:
         """Remove the hooks :meth:`_arm` registered. Autograd keeps a parameter's hook table
@@ -212,25 +219,28 @@ class UnseenUseCheck:
                 p._backward_hooks = None
         self._armed.clear()
 
-    def _mark(self) -> None:
-        """Note each parameter's ``.grad`` and its version at the step's start, so that
-        :meth:`_arm` can tell what autograd accumulated before it. Held until the step's
-        first captured gradient (a ``.grad`` the loop drops after its forward lives until
-        then)."""
+    def _start(self) -> None:
+        """The step's start (its first hooked forward): time it, draw whether it is sampled,
+        and note each parameter's ``.grad`` and its version, so that :meth:`_arm` can tell
+        what autograd accumulated before it. The ``.grad`` s are held until the step's first
+        captured gradient (one the loop drops after its forward lives until then)."""
+        self.schedule.step_started()
+        self._sampled = self.schedule.sampled()
         grads = list(map(_grad_of, self._params))
         self._marks = grads
         # (not grads.count(None): it compares with ==, a Tensor.__eq__ call per .grad)
         self._versions = [None if g is None else g._version for g in grads] \
-            if any(g is not None for g in grads) else None
+            if any(map(operator.is_not, grads, self._nones)) else None
 
     def due(self) -> bool:
         """Whether this step is checked. Asked by consumers before their backward and, through
         ``HookState.on_backward``, when the step's first captured gradient arrives: the
-        forward is over, so the structure is known. The first ask of a step decides, times the
-        step, and on a checked step arms the check (:meth:`_arm`)."""
+        forward is over, so the structure is known. The first ask of a step decides (a step
+        drawn at its start, or of a structure not checked yet), and on a checked step arms the
+        check (:meth:`_arm`)."""
         if self.decision is None:
-            self.schedule.step_started()
-            self.decision = self.schedule.due(captured_structure(self._state))
+            self.decision = self._sampled or \
+                captured_structure(self._state) not in self.schedule.checked
             if self.decision:
                 self._arm()
             self._marks = []
