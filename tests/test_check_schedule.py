@@ -126,9 +126,8 @@ def test_parameter_hooks_only_on_checked_steps():
             model.leak = False
             loss = model(torch.randn(batch, 3)).pow(2).sum()
             armed = []
-            model.first.weight.register_hook(lambda g: armed.append(
-                model.first.weight._backward_hooks is not None
-                and len(model.first.weight._backward_hooks) > 1))
+            model.first.weight.register_hook(lambda g, armed=armed: armed.append(
+                len(model.first.weight._backward_hooks) > 1))
             loss.backward()
             assert armed == [checked]
             psh.compute_grad1(model)
