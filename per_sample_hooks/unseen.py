@@ -255,7 +255,7 @@ class UnseenUseCheck:
         a hooked module's forward whose output reached the loss is reached after that. Only a
         parameter used outside the hooked forwards alone can have been reached before (by this
         backward, or an earlier pass of the step that reached no hooked output): its ``.grad``
-        changed since the step's start (:meth:`_mark`). A new ``.grad`` is that gradient, and
+        changed since the step's start (:meth:`_start`). A new ``.grad`` is that gradient, and
         is counted as if the hook had seen it; one changed in place (accumulated onto an older
         gradient) is not known: a nonzero one is reported as an unseen use by :meth:`verify`
         (an in-place zeroing leaves zeros, nothing to count)."""

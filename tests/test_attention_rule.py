@@ -404,6 +404,21 @@ def test_dropout_refused_in_training_when_recomputed():
     assert_matches(model, [x, x, x], [0, 0, 0], attention_loss(0))
 
 
+def test_dropout_refused_when_unfrozen_after_the_forward():
+    """A parameter frozen in a captured forward and unfrozen before the compute call is not in
+    any captured product: with dropout in training its recompute would draw other masks."""
+    torch.manual_seed(0)
+    model = Attention(4, 2, batch_first=True, dropout=0.5)
+    x = torch.randn(3, 2, 4)
+    inner = next(m for m in model.modules() if isinstance(m, nn.MultiheadAttention))
+    inner.out_proj.weight.requires_grad_(False)
+    with psh.add_hooks(model):
+        weighted_square(model(x, x, x)[0]).sum().backward()
+        inner.out_proj.weight.requires_grad_(True)
+        with pytest.raises(psh.PerSampleHooksError, match="dropout=0.5.*unfrozen"):
+            psh.compute_grad1(model)
+
+
 def same_forward_grads(model, losses):
     """``{name: [B, *p.shape]}``: each sample's loss differentiated through the same forward
     (its dropout masks): the per-sample gradients of a model whose samples do not interact."""

@@ -334,7 +334,15 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
     """The captured forms of one call when it has them, else the recomputed ones."""
     note = captured(call)
     terms = None if note is None else captured_forms(module, call, note, names)
-    return recomputed_forms(module, call, names) if terms is None else terms
+    if terms is not None:
+        return terms
+    if note is not None and module.dropout > 0 and call.training:  # check() passed it
+        raise PerSampleHooksError(
+            f"{type(module).__name__} with dropout={module.dropout} in training mode: a "
+            "parameter frozen during the forward was unfrozen before this call, so its "
+            "per-sample gradient was not captured, and recomputing it would draw a new dropout "
+            "mask. Unfreeze parameters before the forward")
+    return recomputed_forms(module, call, names)
 
 
 @register_rule(nn.MultiheadAttention)
