@@ -107,7 +107,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     ``check_unseen``: detect parameter uses outside their module's forward (raise rather than
     return per-sample quantities that miss a term; see :mod:`per_sample_hooks.unseen`): True
     checks the first step, every step of a new captured structure (modules called, how often,
-    batch sizes) and a random sample of the others at about 1% of the training time;
+    batch sizes) and a random sample of the others at about 0.5% of the training time;
     ``"always"`` every step; False never.
 
     ``broadcast``: a module called with batch size 1 after some module of the same forward saw

@@ -81,9 +81,10 @@ def test_sampled_checks_cost_the_budget():
     schedule.step_seconds = 1.0
     draws = 20000
     checked = sum(schedule.due("structure") for _ in range(draws))
-    expected = draws * schedule.budget * 1.0 / 0.5  # 4% of steps, each half a step long
+    expected = draws * schedule.budget * 1.0 / 0.5  # 2 budgets of steps, each half a step long
     assert abs(checked - expected) < 5 * expected ** 0.5
-    assert checked * 0.5 / draws <= 1.1 * schedule.budget  # cost per unit of training time
+    # cost per unit of training time: the budget, up to the draws' spread
+    assert checked * 0.5 / draws <= schedule.budget * (1 + 5 / expected ** 0.5)
     assert schedule.due("another structure")
     schedule.budget = 1e9  # a check cheaper than its share: every step
     assert all(schedule.due("structure") for _ in range(100))
