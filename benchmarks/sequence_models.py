@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  (plain alone: {results['plain'].ratio_to(func):.2f}x torch.func, a bound "
                   "for any method that runs the ordinary backward; per-round ratios)")
         check = results["grad1"].median / results["grad1 no check"].median - 1
-        print(f"  unseen-use check overhead: {check:+.1%} of grad1 (medians)")
+        print(f"  unseen-use check overhead: {check:+.1%} of grad1 (medians of two copies, "
+              "within their noise; one model on and off: python -m benchmarks.check_cost)")
         print("  " + check_cost(methods["grad1"], results))
     return 0
 

@@ -109,12 +109,9 @@ class Schedule:
         self._started: float | None = None
         self.steps_measured = 0
 
-    def due(self, structure: Hashable) -> bool:
-        return structure not in self.checked or self.sampled()
-
     def sampled(self) -> bool:
-        """Whether a step of a checked structure is checked: always, or drawn with probability
-        ``budget * step time / check time``."""
+        """Whether a step of a checked structure (``checked``: a new one always is) is checked:
+        always, or drawn with probability ``budget * step time / check time``."""
         if self.mode == "always":
             return True
         if not self.budget or not self.step_seconds or not self.check_seconds:

@@ -111,6 +111,9 @@ class ProjectionCapture(TorchFunctionMode):
         self.active = False  # the mode is entered for the module's forward
         self.call: _Forward | None = None  # inside the functional forward
         self.finished: tuple[list[Tensor], Captured | None] = ([], None)
+        # the functional forward and its unchecked clone, made once (a copy of its globals)
+        self.unchecked: tuple[Callable[..., Any] | None, Callable[..., Any] | None] = \
+            (None, None)
 
     def __reduce__(self) -> tuple:
         return _inert, ()
@@ -155,7 +158,9 @@ class ProjectionCapture(TorchFunctionMode):
     def forward(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         """Run the functional forward op by op under the mode, when the call is covered."""
         arguments = dict(zip(_ARGUMENTS, args), **kwargs)
-        unchecked = _unchecked(func)
+        if self.unchecked[0] is not func:
+            self.unchecked = (func, _unchecked(func))
+        unchecked = self.unchecked[1]
         if unchecked is None or not _covered(arguments) or torch._C._len_torch_function_stack():
             # another mode below this one (the user's) is handed the functional forward whole
             return func(*args, **kwargs)
