@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from .capture import STATE_ATTRIBUTE, HookState, get_state, live_states, unwrap
 from .errors import PerSampleHooksError, UnsupportedModuleError
+from .quantities import KeptGrads
 from .rules import RuleRegistry, default_registry
-from .rules.base import KeptGrads
 from .rules.fallback import FallbackRule
 from .rules.raw_parameters import RawParameterRule
 from .sharded import with_full_values

@@ -145,6 +145,17 @@ class Call:
         for passes in (*self.grads, *self.watched):
             passes.clear()
 
+    def only_pass(self, index: int) -> Call:
+        """A view of this record holding only backward pass ``index`` (nothing copied)."""
+        view = Call.__new__(Call)
+        view.args, view.kwargs, view.batch_dim = self.args, self.kwargs, self.batch_dim
+        view.training, view.versions, view.per_sample = self.training, self.versions, None
+        view.grads = [[passes[index]] if index < len(passes) else [] for passes in self.grads]
+        view.watched = [[passes[index]] if index < len(passes) else []
+                        for passes in self.watched]
+        view.note, view.hooks = self.note, []
+        return view
+
     def modified_inputs(self) -> list[int]:
         """Positions of tensor inputs modified in place since the forward."""
         return [i for i, (a, v) in enumerate(zip(self.args, self.versions))

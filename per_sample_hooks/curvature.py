@@ -99,7 +99,7 @@ Operator)           (ones appended); by default the     ``A`` keeps ``1/N`` for 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -107,12 +107,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .capture import Call
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
 from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares
-from .rules.base import Rule, split_passes
+from .quantities import weighted_sum
+from .rules.base import Rule
 from .rules.formed import FormedRule
 from .sharded import full_zeros, with_full_values
 from .step import (
@@ -290,6 +292,23 @@ def _squares(layer: LayerWork, names: list[str], batch: int, factor: float
 
 
 # ----------------------------------------------------------------------------- public
+
+def split_passes(calls: Sequence[Call]) -> list[list[Call]]:
+    """``calls`` (several backward passes each) as one list of single-pass views per pass.
+
+    Pass ``k`` of every call belongs to the same backward pass, so all calls must have seen
+    the same number of passes."""
+    counts = {c.n_passes for c in calls}
+    if len(counts) > 1:
+        raise PerSampleHooksError(
+            f"the calls of one module saw different numbers of backward passes {sorted(counts)}"
+            ": some pass did not reach every call, so passes cannot be paired. Run "
+            "backprop_hess (or one backward) on a fresh forward")
+    n = counts.pop() if counts else 0
+    if n <= 1:  # one pass (or per-sample gradients formed on arrival, their records dropped)
+        return [list(calls)] if calls else []
+    return [[c.only_pass(k) for c in calls] for k in range(n)]
+
 
 def _pass_forms(layer: LayerWork, names: list[str]) -> list[dict[str, list[Form]]]:
     """The forms of ``names`` in each captured backward pass."""
@@ -494,7 +513,7 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
         first = next(iter(out.values()))
         weights = torch.full((batch,), step.scale / max(batch, 1), dtype=first.dtype,
                              device=first.device)
-        layer.rule.weighted_sum(layer.module, layer.calls, weights, out)
+        weighted_sum(layer.rule, layer.module, layer.calls, weights, out)
         for local, mean in out.items():
             name = names[id(layer)][local]
             second[name] = second[name].div_(max(batch, 1)).sub_(mean.square()).clamp_(min=0)

@@ -18,8 +18,9 @@ from . import forms
 from .capture import HookState
 from .clipping import MaxGradNorm, Thresholds, check_max_norm, threshold_argument, thresholds
 from .errors import PerSampleHooksError
+from .forms import contract_samples
 from .forms.groups import RowGroups, regroup, row_groups
-from .rules.base import KeptGrads, contract_samples
+from .quantities import KeptGrads, norms_squared, weighted_sum
 from .sharded import ShardedGrads, is_sharded, with_full_values
 from .step import (
     LayerWork,
@@ -60,9 +61,7 @@ def _layer_norms_squared(layer: LayerWork, step: Step, keep: KeptGrads | None,
         parts = layer.rule.forms(layer.module, layer.calls, names)
         return {n: _grouped_norms_squared(parts[n], rows, step, keep, (layer.module, n))
                 for n in names}
-    if keep is None:
-        return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names)
-    return layer.rule.norms_squared(layer.module, layer.calls, step.scale, names, keep=keep)
+    return norms_squared(layer.rule, layer.module, layer.calls, step.scale, names, keep)
 
 
 def _grouped_norms_squared(parts: list[forms.Form], rows: RowGroups, step: Step,
@@ -398,7 +397,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                 elif id(p) not in shared:
                     by_group.setdefault(limits.group(p), {})[name] = grads.target(p)
             for k, out in by_group.items():
-                layer.rule.weighted_sum(layer.module, layer.calls, weights[k], out)
+                weighted_sum(layer.rule, layer.module, layer.calls, weights[k], out)
         grads.publish(p for p in layer.parameters.values() if id(p) not in shared)
         if release_records:
             for call in layer.calls:

@@ -16,9 +16,10 @@ from torch import Tensor, nn
 
 from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
 from .errors import PerSampleHooksError
-from .forms import Form, project_sum, projection_cost
+from .forms import Form, contract_samples, project_sum, projection_cost
+from .quantities import KeptGrads, weighted_sum
 from .rules import Rule
-from .rules.base import KeptGrads, contract_samples, describes_forms
+from .rules.base import describes_forms
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
@@ -316,7 +317,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
             for n, target in out.items():
                 contract_samples(target, stored[n], ones * kept_scale)
         else:
-            layer.rule.weighted_sum(layer.module, layer.calls, ones, out, keep=kept)
+            weighted_sum(layer.rule, layer.module, layer.calls, ones, out, keep=kept)
         for n, value in out.items():
             hooked.add(wanted[n], value)
     check.verify(hooked, users, time.perf_counter() - start)

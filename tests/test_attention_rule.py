@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
+from per_sample_hooks.quantities import weighted_sum
 from per_sample_hooks.rules.attention import MultiheadAttentionRule, captured
 
 HEADS = "heads"  # a [B * heads, L, S] mask: sample i owns rows heads*i ... heads*i + heads - 1
@@ -369,7 +370,8 @@ def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype, bias_kv):
         assert [captured(c) is not None for c in calls] == [not bias_kv]
         params = dict(model.att.named_parameters())
         out = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
-        MultiheadAttentionRule().weighted_sum(model.att, calls, torch.ones(6, dtype=dtype), out)
+        weighted_sum(MultiheadAttentionRule(), model.att, calls, torch.ones(6, dtype=dtype),
+                     out)
         tolerance = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
         for n, p in params.items():
             torch.testing.assert_close(out[n], p.grad, msg=lambda m, n=n: f"{n}: {m}",

@@ -20,7 +20,10 @@ from torch import nn
 
 import per_sample_hooks as psh
 from per_sample_hooks import norms as norms_module
+from per_sample_hooks import quantities
 from per_sample_hooks.forms import ghost
+from per_sample_hooks.quantities import KeptGrads
+from per_sample_hooks.rules.linear import LinearRule
 
 KEEP_FRACTIONS = [0.0, norms_module.KEEP_FRACTION, 1e9]  # never, default, always
 
@@ -81,24 +84,36 @@ def test_frozen_parameters_keep_no_grad():
     assert_clipping_matches(model, [torch.randn(7, 5)], 0.2)
 
 
-def test_default_rule_weighted_sum_matches_linear_fast_path():
+class Grad1Only(psh.Rule):
+    """The Linear's per-sample gradients from a rule without forms: its quantities are taken
+    from the materialized per-sample gradients (``quantities``' other path)."""
+
+    def grad1(self, module, calls, scale, out):
+        LinearRule().grad1(module, calls, scale, out)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_quantities_of_a_grad1_only_rule_match_the_forms(keep):
     torch.manual_seed(0)
     model = nn.Linear(4, 3).double()
     x = torch.randn(5, 2, 4, dtype=torch.double)
     hooked_backward(model, [x])
     state = psh.add_hooks(model)
-    rule, calls = state.rules[model], state.calls[model]
+    calls, names = state.calls[model], ["weight", "bias"]
     weights = torch.rand(5, dtype=torch.double)
-    fast = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
-    slow = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
-    rule.weighted_sum(model, calls, weights, fast)
-    psh.Rule.weighted_sum(rule, model, calls, weights, slow)
-    norms_fast = rule.norms_squared(model, calls, 5.0, ["weight", "bias"])
-    norms_slow = psh.Rule.norms_squared(rule, model, calls, 5.0, ["weight", "bias"])
+    results = []
+    for rule in (LinearRule(), Grad1Only()):
+        kept = KeptGrads(10**6, lambda m, n, p, b: p.new_empty((b, *p.shape))) if keep else None
+        out = {n: torch.full_like(p, float("nan")) for n, p in model.named_parameters()}
+        squared = quantities.norms_squared(rule, model, calls, 5.0, names, kept)
+        quantities.weighted_sum(rule, model, calls, weights, out, kept)
+        results.append((squared, out))
     psh.remove_hooks(model)
-    for n in fast:
-        torch.testing.assert_close(fast[n], slow[n], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(norms_fast[n], norms_slow[n], rtol=1e-10, atol=1e-12)
+    (forms_norms, forms_sums), (dense_norms, dense_sums) = results
+    for n in names:
+        torch.testing.assert_close(dense_sums[n], forms_sums[n], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dense_norms[n], forms_norms[n], rtol=1e-10, atol=1e-12)
+    assert forms_norms["weight"].abs().min() > 0
 
 
 def test_materialize_path_with_small_chunks():

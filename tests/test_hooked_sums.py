@@ -11,6 +11,7 @@ from torch import nn
 
 import per_sample_hooks as psh
 from per_sample_hooks.forms import project_sum
+from per_sample_hooks.quantities import weighted_sum
 from per_sample_hooks.rules.base import describes_forms
 from per_sample_hooks.unseen import matrix_shape, project
 
@@ -30,8 +31,8 @@ def assert_hooked_sums_match_autograd(model, inputs, reuse=1):
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         out = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
         batch = state.rules[module].batch_size(module, calls[0])
-        state.rules[module].weighted_sum(module, calls, torch.ones(batch, dtype=torch.double),
-                                         out)
+        weighted_sum(state.rules[module], module, calls, torch.ones(batch, dtype=torch.double),
+                     out)
         for n, p in params.items():
             assert p.grad.abs().sum() > 0
             torch.testing.assert_close(out[n], p.grad, rtol=1e-10, atol=1e-12,

@@ -14,6 +14,7 @@ import per_sample_hooks.norms as norms_module
 from ground_truth import sum_of_outputs
 from per_sample_hooks import forms
 from per_sample_hooks.forms import ghost
+from per_sample_hooks.quantities import norms_squared
 from per_sample_hooks.rules import conv as conv_rule
 from per_sample_hooks.rules.embedding import token_rows
 
@@ -123,7 +124,7 @@ def test_reuse_differs_from_sum_of_norms():
     state = psh.add_hooks(model)
     calls = state.calls[model.lin]
     rule = state.rules[model.lin]
-    separate = sum(rule.norms_squared(model.lin, [c], 5.0, ["weight"])["weight"].sqrt()
+    separate = sum(norms_squared(rule, model.lin, [c], 5.0, ["weight"])["weight"].sqrt()
                    for c in calls)
     psh.remove_hooks(model)
     assert not torch.allclose(total, separate)

@@ -66,6 +66,10 @@ class Outer:
     grads: Tensor
     acts: Tensor | Unfolded | None = None
     block: slice | None = None
+    #: ``(weights [B], like) -> sum_b weights[b] * g_b``, shaped as ``like`` (the parameter), by
+    #: the layer's own kernel: a convolution's weight gradient, with no patches built
+    #: (:func:`weighted_sum`). Forms derived from this one (regrouped, joined) drop it.
+    weighted: Callable[[Tensor, Tensor], Tensor] | None = None
 
     @property
     def positions(self) -> int:
@@ -475,6 +479,9 @@ def weighted_sum(out: Tensor, forms: Sequence[Form], weights: Tensor) -> None:
         elif form.acts is None:
             target = out if form.block is None else out.view(-1)[form.block]
             weighted_bias_sum(target, form.grads, weights, accumulate)
+        elif form.weighted is not None and form.block is None:
+            summed = form.weighted(weights, out)
+            out.add_(summed) if accumulate else out.copy_(summed)
         else:
             target = out if form.block is None else out.view(-1, features(form.acts))[form.block]
             for j, (samples, acts) in enumerate(act_chunks(form)):

@@ -7,58 +7,13 @@ loss, 1 for a sum loss), and knows nothing about hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
-from .. import forms
 from ..capture import Call
-from ..errors import PerSampleHooksError
-from ..forms import Dense, Form, contract_samples, sum_of_squares
-
-
-class KeptGrads:
-    """Per-sample gradients a rule may keep from :meth:`Rule.norms_squared` for
-    :meth:`Rule.weighted_sum` within one step (DP clipping), up to ``budget`` elements in all.
-
-    ``buffer_for(module, name, param, batch)`` supplies the storage (persistent buffers, reused
-    across steps). A rule that materializes a parameter's per-sample gradients anyway asks
-    :meth:`reserve`; when granted, it writes them *as captured* (``scale=1``) and
-    ``weighted_sum`` contracts them with the weights instead of recomputing them.
-    """
-
-    def __init__(self, budget: int, buffer_for: Callable[[nn.Module, str, Tensor, int], Tensor],
-                 per_module: dict[int, int] | None = None):
-        self.budget = budget
-        self._buffer_for = buffer_for
-        self._kept: dict[tuple[int, str], Tensor] = {}
-        self.per_module = per_module  # a budget per id(module) instead of ``budget``
-
-    def reserve(self, module: nn.Module, name: str, batch: int) -> Tensor | None:
-        """A ``[batch, *param.shape]`` buffer to fill, or None when over the budget."""
-        param = module.get_parameter(name)
-        size = batch * param.numel()
-        left = self.budget if self.per_module is None else self.per_module.get(id(module), 0)
-        if size > left:
-            return None
-        if self.per_module is None:
-            self.budget -= size
-        else:
-            self.per_module[id(module)] = left - size
-        buffer = self._buffer_for(module, name, param, batch)
-        self._kept[(id(module), name)] = buffer
-        return buffer
-
-    def get(self, module: nn.Module, name: str) -> Tensor | None:
-        return self._kept.get((id(module), name))
-
-    @classmethod
-    def holding(cls, tensors: Mapping[tuple[int, str], Tensor]) -> KeptGrads:
-        """Per-sample gradients already written, keyed by ``(id(module), name)``; no budget."""
-        kept = cls(0, lambda *args: None)
-        kept._kept.update(tensors)
-        return kept
+from ..forms import Dense, Form, write
 
 
 class Rule:
@@ -67,7 +22,9 @@ class Rule:
     A rule describes each parameter's per-sample gradient as forms (:meth:`forms`; see
     ``forms``), from which every quantity is computed; or, for a layer with no such
     structure, writes the per-sample gradients (:meth:`grad1`), which are then its dense form.
-    A rule may override a quantity it computes better than its forms do.
+    Norms, weighted and clipped sums, curvature and the unseen-use check's sums are computed
+    from the forms, for every rule alike (``per_sample_hooks.quantities`` and ``forms``); a
+    rule with forms may also define :meth:`grad1` where it writes them faster than its forms.
     """
 
     #: Also hook modules of this family that have no trainable parameter (for checks such as
@@ -129,68 +86,12 @@ class Rule:
         Default: from :meth:`forms`.
         """
         for name, parts in self.forms(module, calls, list(out)).items():
-            forms.write(out[name], parts, scale)
+            write(out[name], parts, scale)
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         """The batch size of one call; override for inputs ``Call.batch_size`` cannot read
         (a ``PackedSequence``, a batch that is not at ``batch_dim`` by the module's own layout)."""
         return call.batch_size
-
-    def norms_squared(self, module: nn.Module, calls: Sequence[Call], scale: float,
-                      names: Sequence[str], keep: KeptGrads | None = None
-                      ) -> dict[str, Tensor]:
-        """``{name: [B]}``: squared L2 norm of each sample's gradient of each parameter in
-        ``names``, i.e. of exactly what :meth:`grad1` writes (``scale`` included, so squared).
-
-        From the forms (``forms.norms_squared``); where that materializes per-sample
-        gradients anyway, or building the forms again would re-run the layer
-        (:attr:`forms_rerun`), into ``keep``'s buffer when granted (for :meth:`weighted_sum`)."""
-        result = {}
-        batch = self.batch_size(module, calls[0])
-        if type(self).forms is Rule.forms:  # only grad1: materialize, into keep when granted
-            for name in names:
-                param = module.get_parameter(name)
-                kept = keep.reserve(module, name, batch) if keep is not None else None
-                per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
-                self.grad1(module, calls, 1.0, {name: per_sample})
-                result[name] = sum_of_squares(per_sample).mul_(scale * scale)
-            return result
-        for name, parts in self.forms(module, calls, names).items():
-            kept = keep.reserve(module, name, batch) if keep is not None and (
-                self.forms_rerun or forms.materializes(parts)) else None
-            if kept is not None:
-                if type(self).grad1 is Rule.grad1:
-                    forms.write(kept, parts, 1.0)
-                else:  # the rule writes them better than its forms do
-                    self.grad1(module, calls, 1.0, {name: kept})
-                squared = sum_of_squares(kept)
-            else:
-                squared = forms.norms_squared(parts, batch)
-            result[name] = squared.mul_(scale * scale)
-        return result
-
-    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
-                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
-        """Write ``sum_b weights[b] * grad1_b`` into ``out[name]`` (shape ``param.shape``).
-
-        ``grad1_b`` is the per-sample gradient *as captured*, i.e. :meth:`grad1` with
-        ``scale=1``: for a mean loss it carries the loss's ``1/B``, so the caller folds any loss
-        scale into ``weights`` (clipping a mean loss passes the clipping coefficients as they
-        are and gets ``(1/B) sum_b c_b g_b``). ``out`` is fully overwritten.
-
-        A contraction of the gradients kept by :meth:`norms_squared` in ``keep``, else one
-        product per form (``forms.weighted_sum``).
-        """
-        rest = []
-        for name, target in out.items():
-            kept = keep.get(module, name) if keep is not None else None
-            if kept is None:
-                rest.append(name)
-            else:
-                contract_samples(target, kept, weights)
-        if rest:
-            for name, parts in self.forms(module, calls, rest).items():
-                forms.weighted_sum(out[name], parts, weights)
 
     def watch(self, module: nn.Module, batch_dim: int, capturing: Callable[[], bool]
               ) -> tuple[Callable[[], tuple[list[Tensor], object]], list[Any]] | None:
@@ -210,34 +111,6 @@ class Rule:
 def describes_forms(rule: Rule) -> bool:
     """Whether ``rule`` gives its forms itself (not by materializing its :meth:`Rule.grad1`)."""
     return type(rule).forms is not Rule.forms
-
-
-def single_pass(call: Call, index: int) -> Call:
-    """A view of ``call`` holding only backward pass ``index`` (nothing copied)."""
-    view = Call.__new__(Call)
-    view.args, view.kwargs, view.batch_dim = call.args, call.kwargs, call.batch_dim
-    view.training, view.versions, view.per_sample = call.training, call.versions, None
-    view.grads = [[passes[index]] if index < len(passes) else [] for passes in call.grads]
-    view.watched = [[passes[index]] if index < len(passes) else [] for passes in call.watched]
-    view.note = call.note
-    return view
-
-
-def split_passes(calls: Sequence[Call]) -> list[list[Call]]:
-    """``calls`` (several backward passes each) as one list of single-pass views per pass.
-
-    Pass ``k`` of every call belongs to the same backward pass, so all calls must have seen
-    the same number of passes."""
-    counts = {c.n_passes for c in calls}
-    if len(counts) > 1:
-        raise PerSampleHooksError(
-            f"the calls of one module saw different numbers of backward passes {sorted(counts)}"
-            ": some pass did not reach every call, so passes cannot be paired. Run "
-            "backprop_hess (or one backward) on a fresh forward")
-    n = counts.pop() if counts else 0
-    if n <= 1:  # one pass (or per-sample gradients formed on arrival, their records dropped)
-        return [list(calls)] if calls else []
-    return [[single_pass(c, k) for c in calls] for k in range(n)]
 
 
 R = TypeVar("R", bound=Rule)

@@ -21,8 +21,9 @@ the seed-001 CNN this beats both a whole-batch ``F.unfold`` (page faults of a fr
 buffer) and the grouped-convolution trick of Rochette et al. (``convolution_backward`` with
 ``groups = B*G``), which the rule uses where it measured faster: 3d convolutions with many
 input channels per group (:func:`prefers_grouped_convolution`). Weighted sums of the weight
-are one weight-gradient convolution (no unfold). :class:`ConvolutionRule` holds what
-transposed convolutions share (their weight gradient is that of a convolution too).
+are one weight-gradient convolution (no unfold), the ``weighted`` of its forms.
+:class:`ConvolutionRule` holds what transposed convolutions share (their weight gradient is
+that of a convolution too).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Form, Outer, Unfolded
-from .base import KeptGrads, Rule, register_rule
+from .base import Rule, register_rule
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""
@@ -138,6 +139,22 @@ def unfolded(module: nn.modules.conv._ConvNd, x: Tensor, pad: Callable[[Tensor],
     return Unfolded(build, module.weight.shape[1:].numel(), PATCH_CHUNK_ELEMENTS, project)
 
 
+def weighted_weight_gradient(module: nn.modules.conv._ConvNd, source: Tensor, grads: Tensor,
+                             pad: Callable[[Tensor], Tensor], padding: Sequence[int] | None,
+                             weights: Tensor, like: Tensor) -> Tensor:
+    """``sum_b weights[b] * grad1_b`` of the weight (shaped as ``like``), the convolution's
+    weight gradient (operands as ``ConvolutionRule.operands``) with ``weights`` folded into
+    its output gradient ``grads``: no patches built. Measured 1.5-2.5x faster than the chunked
+    patches on 1d and 2d shapes, 0.7x on the seed-001 CNN's conv2 (whose clipping keeps its
+    per-sample gradients: not asked there)."""
+    dims = len(module.kernel_size)
+    w = weights.to(grads.dtype).view(-1, *[1] * (grads.dim() - 1))
+    return torch.ops.aten.convolution_backward(
+        grads * w, source if padding is not None else pad(source), like, None, module.stride,
+        padding or [0] * dims, module.dilation, False, [0] * dims, module.groups,
+        [False, True, False])[1]
+
+
 def zero_padding(module: nn.modules.conv._ConvNd) -> Sequence[int] | None:
     """``module.padding`` when a convolution can apply it itself (zeros, symmetric)."""
     if module.padding_mode == "zeros" and not isinstance(module.padding, str):
@@ -199,7 +216,9 @@ class ConvolutionRule(Rule):
     """What convolutions and transposed convolutions share: the weight gradient is the weight
     gradient of a convolution (:meth:`operands`), whose per-sample form is ``Outer(grads,
     patches)``, the patches ``forms.Unfolded`` (built a chunk of samples at a time,
-    projected by a convolution); the bias's is ``Outer(grads)`` of the output gradients."""
+    projected by a convolution), weighted sums one weight-gradient convolution
+    (:func:`weighted_weight_gradient`); the bias's is ``Outer(grads)`` of the output
+    gradients."""
     needs_parameter_values = False  # shapes only: runs on FSDP2 shards
 
     def operands(self, module: nn.Module, call: Call
@@ -221,30 +240,12 @@ class ConvolutionRule(Rule):
                 if name == "weight":
                     source, grads, pad, padding = self.operands(module, call)
                     parts.append(Outer(conv_output_grads(module, grads),
-                                       unfolded(module, source, pad, padding)))
+                                       unfolded(module, source, pad, padding), None,
+                                       partial(weighted_weight_gradient, module, source, grads,
+                                               pad, padding)))
                 else:
                     parts.append(Outer(conv_output_grads(module, call.backprop())))
         return result
-
-    def weighted_sum(self, module: nn.Module, calls: Sequence[Call], weights: Tensor,
-                     out: dict[str, Tensor], keep: KeptGrads | None = None) -> None:
-        """The weight, unless kept, by one weight-gradient convolution per call with
-        ``weights`` folded into its output gradient (no unfold; measured 1.5-2.5x faster than
-        the forms' chunked patches on 1d and 2d shapes, though 0.7x on the seed-001 CNN's
-        conv2, whose clipping keeps its per-sample gradients); the rest from the forms."""
-        if "weight" in out and (keep is None or keep.get(module, "weight") is None):
-            target, dims = out["weight"], len(module.kernel_size)
-            for i, call in enumerate(calls):
-                source, grads, pad, padding = self.operands(module, call)
-                w = weights.to(grads.dtype).view(-1, *[1] * (grads.dim() - 1))
-                summed = torch.ops.aten.convolution_backward(
-                    grads * w, source if padding is not None else pad(source), target, None,
-                    module.stride, padding or [0] * dims, module.dilation, False, [0] * dims,
-                    module.groups, [False, True, False])[1]
-                target.add_(summed) if i else target.copy_(summed)
-            out = {n: t for n, t in out.items() if n != "weight"}
-        if out:
-            super().weighted_sum(module, calls, weights, out, keep)
 
 
 @register_rule(nn.Conv1d)
