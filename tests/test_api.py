@@ -397,6 +397,25 @@ def test_register_rule_by_name():
         psh.register_rule("Shifted", registry)(AffineRule)
 
 
+def test_register_rule_by_predicate():
+    """A predicate on module classes recognizes layers whatever their names, asked after the
+    types and names; anything else that is not callable is refused."""
+    class Shifted(Affine):
+        pass
+
+    registry = psh.RuleRegistry()
+    psh.register_rule(lambda cls: cls.forward is Affine.forward, registry)(AffineGrad1Rule)
+    matched = registry.lookup(Shifted(2))
+    assert isinstance(matched, AffineGrad1Rule)
+    assert registry.lookup(type("Other", (Affine,), {"forward": lambda self, x: x})(2)) is None
+    assert registry.lookup(nn.Linear(2, 2)) is None
+    psh.register_rule(f"{__name__}:{Shifted.__qualname__}", registry)(AffineRule)
+    assert isinstance(registry.lookup(Shifted(2)), AffineRule)
+    assert registry.lookup(Affine(2)) is matched
+    with pytest.raises(TypeError, match="predicate on module classes"):
+        psh.register_rule(3, registry)(AffineRule)
+
+
 # ----------------------------------------------------------------------------- buffers
 
 def test_buffers_persist_across_steps_and_serve_a_smaller_last_batch():

@@ -122,13 +122,16 @@ class RuleRegistry:
 
     A type may also be named ``"module.path:ClassName"`` (a layer of an optional package:
     registering it imports nothing); it matches a class of that module and qualified name.
-    A type registered itself takes precedence over its name."""
+    Or recognized by a predicate on the module's class (``matches(type) -> bool``: the
+    classes whose ``forward`` is some code, whatever their names), asked last. A type
+    registered itself takes precedence over its name, a name over a predicate."""
 
     def __init__(self) -> None:
         self._rules: dict[type, Rule] = {}
         self._named: dict[str, Rule] = {}
+        self._matching: list[tuple[Callable[[type], bool], Rule]] = []
 
-    def register(self, module_type: type | str, rule: Rule) -> None:
+    def register(self, module_type: type | str | Callable[[type], bool], rule: Rule) -> None:
         if not isinstance(rule, Rule):
             raise TypeError(f"register_rule expects a Rule instance or subclass, got {rule!r}")
         if isinstance(module_type, str):
@@ -137,10 +140,15 @@ class RuleRegistry:
                 raise TypeError("register_rule expects a type name as 'module.path:ClassName', "
                                 f"got {module_type!r}")
             self._named[module_type] = rule
-            return
-        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-            raise TypeError(f"register_rule expects an nn.Module subclass, got {module_type!r}")
-        self._rules[module_type] = rule
+        elif isinstance(module_type, type):
+            if not issubclass(module_type, nn.Module):
+                raise TypeError(f"register_rule expects an nn.Module subclass, got {module_type!r}")
+            self._rules[module_type] = rule
+        elif callable(module_type):
+            self._matching.append((module_type, rule))
+        else:
+            raise TypeError("register_rule expects an nn.Module subclass, a 'module.path:Class' "
+                            f"name or a predicate on module classes, got {module_type!r}")
 
     def _rule_of(self, module_type: type) -> Rule | None:
         rule = self._rules.get(module_type)
@@ -157,6 +165,9 @@ class RuleRegistry:
             rule = self._rule_of(base)
             if rule is not None and getattr(base, "forward", None) is module_type.forward:
                 return rule
+        for matches, rule in self._matching:
+            if matches(module_type):
+                return rule
         return None
 
 
@@ -164,7 +175,8 @@ default_registry = RuleRegistry()
 """The registry ``add_hooks`` uses; built-in rules register here when the package is imported."""
 
 
-def register_rule(module_type: type | str, registry: RuleRegistry = default_registry
+def register_rule(module_type: type | str | Callable[[type], bool],
+                  registry: RuleRegistry = default_registry
                   ) -> Callable[[type[R] | R], type[R] | R]:
     """Class decorator registering a :class:`Rule` for ``module_type``::
 
@@ -175,7 +187,9 @@ def register_rule(module_type: type | str, registry: RuleRegistry = default_regi
     Also accepts a rule instance: ``register_rule(MyLayer)(MyLayerRule())``, and a type by
     name, ``register_rule("package.module:MyLayer")``, for a layer of a package that should
     not be imported to register it (matched by its class's ``__module__`` and
-    ``__qualname__``).
+    ``__qualname__``), or a predicate on module classes, ``register_rule(lambda cls: ...)``,
+    for layers recognized by what they run rather than by name (transformers' Llama-style
+    RMSNorms: ``rules/hf_rmsnorm.py``).
     """
     def decorator(rule: type[R] | R) -> type[R] | R:
         registry.register(module_type, rule() if isinstance(rule, type) else rule)
