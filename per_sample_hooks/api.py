@@ -15,7 +15,7 @@ from .errors import PerSampleHooksError, UnsupportedModuleError
 from .quantities import KeptGrads
 from .rules import RuleRegistry, default_registry
 from .rules.fallback import FallbackRule
-from .rules.raw_parameters import RawParameterRule
+from .rules.raw_parameters import RawParameterRule, RawUsesOrFallbackRule
 from .sharded import with_full_values
 from .step import (
     LayerWork,
@@ -44,6 +44,7 @@ def _has_children(module: nn.Module) -> bool:
 
 fallback_rule = FallbackRule()
 raw_parameter_rule = RawParameterRule()
+raw_uses_or_fallback_rule = RawUsesOrFallbackRule()
 
 
 BatchDims = int | Mapping[nn.Module | str, int]
@@ -89,7 +90,10 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
       ``cls.expand(B, -1, -1)``, exact); a use that cannot be followed (a matmul with a raw
       weight, a raw value passed to a child, a child's weight used by the module's own code)
       is refused by the ``compute_*`` call with what to do;
-    - without children: handled by the ``torch.func`` fallback as one *unit*.
+    - without children (a learned scale, position embeddings, a normalization written by
+      hand): the same following, call by call; a call whose uses cannot be followed (a raw
+      weight in a matmul, ``F.layer_norm``) is re-run per sample by the ``torch.func``
+      fallback instead of refused.
 
     A unit includes everything below it (its children are not hooked separately: its forward
     may use their parameters directly, as ``nn.MultiheadAttention`` does with ``out_proj``).
@@ -97,7 +101,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     likewise, handled by that rule. ``units`` forces the fallback's treatment for given
     modules or qualified names (a module whose forward uses a child's weight, e.g. a tied
     output layer ``h @ emb.weight.t()``, or its raw parameters in ways not followed).
-    With ``fallback=False`` modules that would be fallback units raise
+    With ``fallback=False`` modules with parameters, no rule and no children raise
     :class:`UnsupportedModuleError` instead.
 
     ``batch_dim``: where the batch is in the inputs and outputs of each module: an int for all,
@@ -160,6 +164,9 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
                 continue
             if module not in forced and _has_children(module):
                 rule = raw_parameter_rule  # its raw parameters' uses followed, children hooked
+                followed.append(module)
+            elif module not in forced and fallback:
+                rule = raw_uses_or_fallback_rule  # followed where it can be, else re-run
                 followed.append(module)
             else:
                 if not fallback:

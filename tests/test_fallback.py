@@ -75,12 +75,14 @@ class Gated(nn.Module):
         return {"h": h, "extra": (h.sum(-1), [None, torch.tanh(h)])}
 
 
-def test_raw_parameters_layer_scale_and_positions():
+@pytest.mark.parametrize("units", [(), ("1", "3")])
+def test_raw_parameters_layer_scale_and_positions(units):
+    """Leaves with raw parameters: followed by default, the fallback's units by ``units=``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), LearnedPositions(5, 6), nn.Tanh(), LayerScale(6),
                           nn.Linear(6, 3))
     for loss_type in ["mean", "sum"]:
-        assert_matches_loop(model, [torch.randn(4, 5, 4)], loss_type=loss_type)
+        assert_matches_loop(model, [torch.randn(4, 5, 4)], loss_type=loss_type, units=units)
 
 
 def test_shorter_sequence_than_positions():
@@ -106,7 +108,8 @@ def test_several_inputs_kwargs_nested_outputs(loss_type):
                         loss_type=loss_type)
 
 
-def test_unit_reused_and_partly_frozen():
+@pytest.mark.parametrize("units", [(), ("scale",)])
+def test_unit_reused_and_partly_frozen(units):
     torch.manual_seed(0)
 
     class Model(nn.Module):
@@ -121,21 +124,23 @@ def test_unit_reused_and_partly_frozen():
             h = self.gated(h, x)["h"]
             return self.scale(torch.tanh(h)) + self.gated(h, h)["h"]
 
-    assert_matches_loop(Model(), [torch.randn(6, 4)])
+    assert_matches_loop(Model(), [torch.randn(6, 4)], units=units)
 
 
 def test_unit_children_are_not_hooked_and_is_supported():
     """A module with raw parameters and a child: by default the child keeps its rule (the raw
     parameters' uses are followed, tests/test_raw_parameters.py); made a unit (units=), the
-    child is inside it. A leaf with raw parameters is a unit of the fallback."""
+    child is inside it. A leaf with raw parameters is followed too, re-run by the fallback
+    where it cannot be (not a unit either way)."""
     model = nn.Sequential(Gated(3), nn.Linear(3, 2), LayerScale(2))
     state = psh.add_hooks(model)
     try:
-        assert state.units == {model[2]}
+        assert state.units == set()
         assert model[0].proj in state.modules and model[0] in state.modules
+        assert type(state.rules[model[2]]).__name__ == "RawUsesOrFallbackRule"
     finally:
         psh.remove_hooks(model)
-    state = psh.add_hooks(model, units=["0"])
+    state = psh.add_hooks(model, units=["0", "2"])
     try:
         assert state.units == {model[0], model[2]}
         assert model[0].proj not in state.modules and model[1] in state.modules

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, loop_grads, loop_grads_of, weighted_square
 from per_sample_hooks.dp import DPSGD
+from per_sample_hooks.rules.linear import LinearRule
 
 OUTSIDE = torch._C._len_torch_function_stack()
 """Torch function modes active outside the library: torch's device mode under
@@ -321,11 +322,15 @@ def test_timm_like_model_has_no_unit_and_children_keep_their_rules():
 
 
 class NoModeInside(nn.Linear):
-    """A Linear that checks, as it runs, that no torch function mode is active."""
+    """A Linear that checks, as it runs, that no torch function mode is active (with Linear's
+    rule: it overrides forward, and a leaf with no rule would be followed itself)."""
 
     def forward(self, x: Tensor) -> Tensor:
         assert torch._C._len_torch_function_stack() == OUTSIDE, "a mode was active in a child"
         return super().forward(x)
+
+
+psh.register_rule(NoModeInside)(LinearRule)
 
 
 class Failing(nn.Module):
@@ -592,3 +597,123 @@ def test_mixing_the_batch_refused_also_when_positions_match_the_batch():
         model(torch.randn(3, 3, dtype=torch.double)).sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match="together with the batch"):
             psh.compute_grad1(model)
+
+
+# ------------------------------------------------- modules with raw parameters and no children
+
+
+class LeafScale(nn.Module):
+    """A learned scale and shift, no children: followed (no re-run)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.gamma.exp()) + self.shift[: x.shape[-1]]
+
+
+class HandNorm(nn.Module):
+    """A normalization written by hand (RMS, then a weight); ``layer=True`` calls
+    ``F.layer_norm`` with the weight instead, a use that is not followed: that call is re-run by
+    the torch.func fallback."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: Tensor, layer: bool = False) -> Tensor:
+        if layer:
+            return F.layer_norm(x, x.shape[-1:], self.weight)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class TwoWays(nn.Module):
+    """HandNorm called twice in one forward, once followed and once re-run."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = HandNorm(d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(torch.sin(self.norm(self.lin(x))), layer=True) * x
+
+
+class LayerNormCall(HandNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x, layer=True)
+
+
+LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
+          "hand_norm": lambda: nn.Sequential(HandNorm(3), nn.Linear(3, 4)),
+          "layer_norm_call": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh(), LayerNormCall(3)),
+          "two_ways": lambda: nn.Sequential(nn.Linear(3, 4), TwoWays(4))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_leaf_modules_are_followed_or_rerun_exactly(leaf, dtype):
+    """grad1, norms and clipping against the float64 loop, with leading dims."""
+    torch.manual_seed(0)
+    model = LEAVES[leaf]().to(dtype)
+    x = torch.randn(5, 2, 3, dtype=dtype)
+    grads = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    total, _, _ = loop_norms(copy.deepcopy(model).double(), [x.double()], weighted_square,
+                             "mean")
+    with psh.add_hooks(model) as state:
+        assert not state.units
+        weighted_square(model(x)).mean().backward()
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    assert_close(got, grads, dtype)
+    torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
+
+
+def test_which_calls_are_rerun(monkeypatch):
+    """A followed call never reaches the torch.func fallback; an unfollowed one does."""
+    from per_sample_hooks.rules import raw_parameters
+    reran = []
+    call_grad1 = raw_parameters.call_grad1
+
+    def counted(module, *args):
+        reran.append(type(module).__name__)
+        return call_grad1(module, *args)
+
+    monkeypatch.setattr(raw_parameters, "call_grad1", counted)
+    for leaf, expected in [("scale", []), ("hand_norm", []), ("two_ways", ["HandNorm"]),
+                           ("layer_norm_call", ["LayerNormCall"])]:
+        reran.clear()
+        assert_matches_loop(LEAVES[leaf](), [torch.randn(4, 3)])
+        assert reran == expected, leaf
+
+
+def test_dropout_around_a_followed_use_is_exact():
+    """Dropout in training around the uses: the sites' gradients come from the step's own
+    backward, so the masks are the forward's (the fallback re-run would draw new ones)."""
+    class Dropped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+        def forward(self, x):
+            return F.dropout(F.dropout(x, 0.5) * self.gamma, 0.3)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Dropped()).double().train()
+    reference = copy.deepcopy(model)  # the same masks from the same seed, no hooks
+    x = torch.randn(6, 3, dtype=torch.double)
+    torch.manual_seed(1)
+    losses = weighted_square(reference(x))
+    per_sample = [torch.autograd.grad(losses[i], list(reference.parameters()),
+                                      retain_graph=True) for i in range(len(x))]
+    with psh.add_hooks(model):
+        torch.manual_seed(1)
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for k, (n, p) in enumerate(model.named_parameters()):
+            expected = torch.stack([g[k] for g in per_sample])  # grad1[i]: sample i's loss
+            torch.testing.assert_close(p.grad1, expected, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m, n=n: f"{n}: {m}")

@@ -33,6 +33,7 @@ from ..errors import PerSampleHooksError
 from ..forms import Dense, Form
 from ..raw_uses import Derived, Uses, follow_raw_uses
 from .base import Rule
+from .fallback import FallbackRule, call_grad1
 
 
 def _uses(call: Call) -> Uses:
@@ -56,12 +57,14 @@ def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
     return list(summed.values())
 
 
-def pull_back(value: Derived, per_sample: Tensor) -> dict[str, Tensor]:
+def pull_back(module: nn.Module, value: Derived, per_sample: Tensor) -> dict[str, Tensor]:
     """``{parameter name: [B, *p.shape]}``: per-sample gradients ``per_sample`` of ``value``
-    pulled back to the parameters it is computed from."""
+    pulled back to the parameters it is computed from, at ``module``'s parameters as the
+    ``compute_*`` call sees them (an FSDP2 model's full values: the tensors its forward used
+    are freed; a change in place since the forward is refused by ``check``)."""
     if value.is_parameter:
         return {value.name: per_sample}
-    primals = {name: p.detach() for name, p in value.parameters().items()}
+    primals = {name: module.get_parameter(name).detach() for name in value.parameters()}
     with torch.enable_grad():
         _, vjp = torch.func.vjp(value.evaluate, primals)
         (grads,) = torch.func.vmap(vjp)(per_sample)
@@ -103,7 +106,7 @@ class RawParameterRule(Rule):
         result: dict[str, list[Form]] = {name: [] for name in names}
         for call in calls:
             for value, per_sample in site_gradients(call):
-                for name, grad in pull_back(value, per_sample).items():
+                for name, grad in pull_back(module, value, per_sample).items():
                     if name in result:
                         result[name].append(Dense(grad))
         for name, parts in result.items():
@@ -111,3 +114,40 @@ class RawParameterRule(Rule):
                 p = module.get_parameter(name)
                 parts.append(Dense(p.new_zeros((self.batch_size(module, calls[0]), *p.shape))))
         return result
+
+
+class RawUsesOrFallbackRule(RawParameterRule):
+    """A module with raw parameters and no children (a learned scale or temperature, position
+    embeddings added to its input, a normalization written by hand): its calls whose uses of
+    the parameters can be followed (:class:`RawParameterRule`: exact, with no re-run, whatever
+    random ops surround the uses) get their forms from the use sites; a call whose code used a
+    parameter otherwise (a matmul, ``F.layer_norm``) is re-run per sample by the ``torch.func``
+    fallback (:class:`~per_sample_hooks.rules.fallback.FallbackRule`), as every call of such a
+    module was before. No child is hooked separately either way."""
+
+    fallback = FallbackRule()
+    forms_rerun = True  # the calls that are re-run: kept per-sample gradients are read instead
+
+    def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        followed, rerun = _split_calls(calls)
+        super().check(module, followed, name)
+        self.fallback.check(module, rerun, name)
+
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        followed, rerun = _split_calls(calls)
+        if not rerun:
+            return super().forms(module, followed, names)
+        result = super().forms(module, followed, names) if followed else \
+            {name: [] for name in names}
+        params = {name: module.get_parameter(name) for name in names}
+        for call in rerun:
+            for name, grad in zip(names, call_grad1(module, call, params, names, 1.0)):
+                result[name].append(Dense(grad))
+        return result
+
+
+def _split_calls(calls: Sequence[Call]) -> tuple[list[Call], list[Call]]:
+    """``calls`` whose uses were followed, and those to re-run (a use that was not)."""
+    followed = [call for call in calls if _uses(call).problem is None]
+    return followed, [call for call in calls if _uses(call).problem is not None]
