@@ -45,6 +45,7 @@ from models import LSTMClassifier, TransformerClassifier  # noqa: E402
 import per_sample_hooks as psh  # noqa: E402
 from benchmarks.dp import TokenMLP  # noqa: E402
 from benchmarks.harness import check_cost, compare, print_table  # noqa: E402
+from per_sample_hooks.rules.raw_parameters import RawParameterRule  # noqa: E402
 
 
 def unrolled_lstm_classifier(params: dict[str, Tensor], tokens: Tensor) -> Tensor:
@@ -154,15 +155,20 @@ def make_methods(name: str, seed: int = 0) -> dict[str, Callable[[], object]]:
     return methods
 
 
-def native_and_fallback(model: nn.Module) -> tuple[list[str], list[str]]:
+def native_and_fallback(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """Types of the hooked modules: with a rule of their own, with their raw parameters'
+    uses followed (re-run by the fallback where they cannot be), fallback units."""
     state = psh.add_hooks(model)
     try:
-        fallback = {m for m in state.modules if isinstance(state.rules[m], psh.FallbackRule)}
-        native = sorted({type(m).__name__ for m in state.modules if m not in fallback})
-        units = sorted({type(m).__name__ for m in fallback})
+        kinds: dict[str, set[str]] = {"native": set(), "followed": set(), "units": set()}
+        for m in state.modules:
+            rule = state.rules[m]
+            kind = "units" if isinstance(rule, psh.FallbackRule) else \
+                "followed" if isinstance(rule, RawParameterRule) else "native"
+            kinds[kind].add(type(m).__name__)
     finally:
         psh.remove_hooks(model)
-    return native, units
+    return sorted(kinds["native"]), sorted(kinds["followed"]), sorted(kinds["units"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
           "interleaved; median and inter-quartile range of ms per step", flush=True)
     for name in args.models:
         title, build, *_ = MODELS[name]
-        native, units = native_and_fallback(build())
+        native, followed, units = native_and_fallback(build())
         methods = make_methods(name)
         results = compare(methods, rounds=rounds, warmup=2, min_sample_ms=20)
         print()
         print_table(results, "plain", title)
-        print(f"  native rules: {', '.join(native)}; fallback units: {', '.join(units) or '-'}")
+        print(f"  native rules: {', '.join(native)}; raw parameters followed: "
+              f"{', '.join(followed) or '-'}; fallback units: {', '.join(units) or '-'}")
         if "torch.func" in results:
             goal, func = GRAD1_GOALS.get(name, 1.2), results["torch.func"]
             for method in ("grad1", "grad1 edges"):
