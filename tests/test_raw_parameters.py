@@ -2,7 +2,8 @@
 gammas, a learned bias): the children keep their rules, the uses of the raw parameters in the
 module's own code are followed (per_sample_hooks/raw_uses.py, rules/raw_parameters.py). Every
 quantity against the float64 per-sample loop, float32 and float64; each use that cannot be
-followed is refused with what to do."""
+followed is refused with what to do. Leaves (raw parameters, no children) are followed too, a
+call whose uses cannot be re-run by the torch.func fallback."""
 from __future__ import annotations
 
 import copy
@@ -148,6 +149,58 @@ class Reused(nn.Module):
         return self.head(self.block(torch.tanh(self.block(x))))
 
 
+
+
+class LeafScale(nn.Module):
+    """A learned scale and shift, no children: followed (no re-run)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.gamma.exp()) + self.shift[: x.shape[-1]]
+
+
+class HandNorm(nn.Module):
+    """A normalization written by hand (RMS, then a weight); ``layer=True`` calls
+    ``F.layer_norm`` with the weight instead, a use that is not followed: that call is re-run by
+    the torch.func fallback."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: Tensor, layer: bool = False) -> Tensor:
+        if layer:
+            return F.layer_norm(x, x.shape[-1:], self.weight)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class TwoWays(nn.Module):
+    """HandNorm called twice in one forward, once followed and once re-run."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = HandNorm(d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(torch.sin(self.norm(self.lin(x))), layer=True) * x
+
+
+class LayerNormCall(HandNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x, layer=True)
+
+
+LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
+          "hand_norm": lambda: nn.Sequential(HandNorm(3), nn.Linear(3, 4)),
+          "layer_norm_call": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh(), LayerNormCall(3)),
+          "two_ways": lambda: nn.Sequential(nn.Linear(3, 4), TwoWays(4))}
+
+
 def images(batch: int) -> list[Tensor]:
     return [torch.randn(batch, 3, 8, 8)]
 
@@ -162,6 +215,8 @@ CASES = {
     "several_outputs": (SeveralOutputs, lambda b: [torch.randn(b, 2, 3)]),
     "reused": (Reused, lambda b: [torch.randn(b, 3, 4)]),
     "timm_like": (TimmLikeViT, images),
+    "leaves": (lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4), TwoWays(4)),
+               lambda b: [torch.randn(b, 2, 3)]),
 }
 
 
@@ -241,7 +296,7 @@ def test_grad1_norms_and_clipping_match_the_loop(case, loss_type, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen"])
+@pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen", "leaves"])
 def test_dpsgd_steps_match_the_loop(case, dtype):
     """DPSGD (no noise, lr 0): the first step (checked: an ordinary backward) and the next ones
     (the output-edge backward, which must reach the watched use sites; per-sample gradients
@@ -388,12 +443,14 @@ def test_batch_one_and_batch_dim_one():
     assert_close(got, expected, torch.float64)
 
 
-def test_second_moments_after_backprop_hess():
+@pytest.mark.parametrize("case", ["vit", "leaves"])
+def test_second_moments_after_backprop_hess(case):
     """Several backward passes (backprop_hess): each pass's use-site gradients are paired with
     its output gradients; the Fisher diagonal is sum_i sum_k J_ik^2 of the loop."""
+    build, make_inputs = CASES[case]
     torch.manual_seed(0)
-    model = ViTLike().double()
-    x = images(3)[0].double()
+    model = build().double()
+    x = make_inputs(3)[0].double()
     with psh.add_hooks(model):
         psh.backprop_hess(model(x)[:, 0], "LeastSquares")
         fisher = psh.compute_fisher_diag(model)
@@ -600,57 +657,6 @@ def test_mixing_the_batch_refused_also_when_positions_match_the_batch():
 
 
 # ------------------------------------------------- modules with raw parameters and no children
-
-
-class LeafScale(nn.Module):
-    """A learned scale and shift, no children: followed (no re-run)."""
-
-    def __init__(self, d: int = 4):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, d))
-        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, d))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.tanh(x * self.gamma.exp()) + self.shift[: x.shape[-1]]
-
-
-class HandNorm(nn.Module):
-    """A normalization written by hand (RMS, then a weight); ``layer=True`` calls
-    ``F.layer_norm`` with the weight instead, a use that is not followed: that call is re-run by
-    the torch.func fallback."""
-
-    def __init__(self, d: int = 4):
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, x: Tensor, layer: bool = False) -> Tensor:
-        if layer:
-            return F.layer_norm(x, x.shape[-1:], self.weight)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
-
-
-class TwoWays(nn.Module):
-    """HandNorm called twice in one forward, once followed and once re-run."""
-
-    def __init__(self, d: int = 4):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.norm = HandNorm(d)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.norm(torch.sin(self.norm(self.lin(x))), layer=True) * x
-
-
-class LayerNormCall(HandNorm):
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x, layer=True)
-
-
-LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
-          "hand_norm": lambda: nn.Sequential(HandNorm(3), nn.Linear(3, 4)),
-          "layer_norm_call": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh(), LayerNormCall(3)),
-          "two_ways": lambda: nn.Sequential(nn.Linear(3, 4), TwoWays(4))}
-
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("leaf", sorted(LEAVES))
