@@ -479,16 +479,19 @@ def test_hooked_model_pickles_and_the_copy_is_not_hooked():
     assert_matches_loop(copied, [x])
 
 
-def test_compiled_after_hooking_is_exact():
-    """Hook, then torch.compile (aot_eager): exact through steps of two batch sizes."""
+@pytest.mark.parametrize("case", ["vit", "leaves"])
+def test_compiled_after_hooking_is_exact(case):
+    """Hook, then torch.compile (aot_eager): exact through steps of two batch sizes (leaves:
+    one call followed, one re-run)."""
+    build, make_inputs = CASES[case]
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = ViTLike()
+    model = build()
     psh.add_hooks(model)
     compiled = torch.compile(model, backend="aot_eager")
     try:
         for batch in (4, 4, 2):
-            x = images(batch)[0]
+            x = make_inputs(batch)[0]
             model.zero_grad(set_to_none=True)
             weighted_square(compiled(x)).sum().backward()
             psh.compute_grad1(model, "sum")
@@ -723,27 +726,3 @@ def test_dropout_around_a_followed_use_is_exact():
             expected = torch.stack([g[k] for g in per_sample])  # grad1[i]: sample i's loss
             torch.testing.assert_close(p.grad1, expected, rtol=1e-10, atol=1e-12,
                                        msg=lambda m, n=n: f"{n}: {m}")
-
-
-def test_leaf_compiled_after_hooking_is_exact():
-    """A leaf's followed and re-run calls under torch.compile (aot_eager), two batch sizes."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = LEAVES["two_ways"]()
-    psh.add_hooks(model)
-    compiled = torch.compile(model, backend="aot_eager")
-    try:
-        for batch in (4, 2):
-            x = torch.randn(batch, 3)
-            model.zero_grad(set_to_none=True)
-            weighted_square(compiled(x)).sum().backward()
-            psh.compute_grad1(model, "sum")
-            got = {n: p.grad1.clone() for n, p in model.named_parameters()}
-            psh.disable_hooks(model)
-            expected = loop_grads(copy.deepcopy(model).double(), [x.double()],
-                                  weighted_square, batch)
-            psh.enable_hooks(model)
-            assert_close(got, expected, torch.float32)
-    finally:
-        psh.remove_hooks(model)
-        torch._dynamo.reset()
