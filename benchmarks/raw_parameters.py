@@ -9,7 +9,10 @@ torch.func fallback (what it was before this path existed):
   whole model as one unit (``units=[""]``);
 - ``hand_norm``: a token model (vocab 1000, d=256, 2 pre-norm MLP blocks, T=64) whose RMSNorms
   are written by hand, modules with a raw weight and no children, against each of them as one
-  fallback unit (what every such module was before its uses were followed).
+  fallback unit (what every such module was before its uses were followed);
+- ``custom_linear``: the 784-512-512-10 MLP of ``benchmarks.dp`` with its Linear layers written
+  by hand (``F.linear`` of raw parameters, no children; B = 8 x ``--batch``), against each as
+  one unit.
 
     PYTHONPATH=$PWD python -m benchmarks.raw_parameters --threads 1 --rounds 20
 
@@ -39,6 +42,16 @@ import per_sample_hooks as psh  # noqa: E402
 from benchmarks.harness import compare, print_table  # noqa: E402
 
 HIDDEN, LAYERS, IMAGE, CLASSES = 128, 2, 32, 10
+
+
+class CustomLinear(torch.nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 class HandRMSNorm(torch.nn.Module):
@@ -87,6 +100,12 @@ def make_methods(model: str = "vit", batch: int = 16) -> dict:
         if model == "timm":
             net, units = TimmLikeViT(HIDDEN, heads=4, depth=LAYERS, image=IMAGE,
                                      classes=CLASSES), [""]
+        elif model == "custom_linear":
+            net = torch.nn.Sequential(CustomLinear(784, 512), torch.nn.ReLU(),
+                                      CustomLinear(512, 512), torch.nn.ReLU(),
+                                      CustomLinear(512, CLASSES))
+            x = torch.randn(batch, 784)
+            units = ["0", "2", "4"]
         else:
             net, x = HandNormModel(), torch.randint(0, 1000, (batch, 64))
             units = [n for n, m in net.named_modules() if isinstance(m, HandRMSNorm)]
@@ -120,17 +139,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--models", nargs="+", default=["vit", "timm", "hand_norm"],
-                        choices=["vit", "timm", "hand_norm"])
+    models = ["vit", "timm", "hand_norm", "custom_linear"]
+    parser.add_argument("--models", nargs="+", default=models, choices=models)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     titles = {"vit": f"transformers ViT, hidden {HIDDEN}, {LAYERS} layers, 64 patches",
               "timm": f"timm-like ViT (top-level cls/pos, gammas), hidden {HIDDEN}, {LAYERS} "
                       "layers, 64 patches",
-              "hand_norm": "token model with hand-written RMSNorms, d=256, 2 blocks, T=64"}
+              "hand_norm": "token model with hand-written RMSNorms, d=256, 2 blocks, T=64",
+              "custom_linear": "MLP 784-512-512-10 of hand-written linear layers"}
     for model in args.models:
-        results = compare(make_methods(model, args.batch), rounds=args.rounds, warmup=3)
-        print_table(results, "plain", f"{titles[model]}, B={args.batch}, float32, "
+        batch = 8 * args.batch if model == "custom_linear" else args.batch  # dp.py's B=128
+        results = compare(make_methods(model, batch), rounds=args.rounds, warmup=3)
+        print_table(results, "plain", f"{titles[model]}, B={batch}, float32, "
                     f"{args.threads} thread(s)")
 
 

@@ -29,10 +29,14 @@ values, and the gradient autograd gives ``t_b`` is ``[..., B, ...]`` with row ``
 ``b`` only, ``t``'s per-sample gradient (the op's backward has already summed every other
 broadcast dim). ``t_b``
 is watched (:attr:`Call.watched <per_sample_hooks.capture.Call>`); the call's note, a
-:class:`Uses`, says which derived value each watched tensor stands for.
+:class:`Uses`, says which derived value each watched tensor stands for. ``F.linear(x, w, b)``
+with the batch in ``x`` and raw parameters ``w`` and/or ``b`` (the other a constant or None)
+is a use site too, a Linear layer's (:class:`LinearSite`): its output is watched and ``x``
+kept, and the rule forms ``Outer(G, x)`` and ``Outer(G)`` from them, as for ``nn.Linear``.
 
 Anything else is refused, never silently followed: a derived tensor in any other op with the
-batch (a matmul with a raw weight, ``torch.cat`` of an unexpanded token with the batch, an
+batch (a matmul with a raw weight, an ``F.linear`` with a weight computed from parameters,
+``torch.cat`` of an unexpanded token with the batch, an
 op that mixes the samples), passed to a child module, returned, written in place, or used
 inside a custom ``torch.autograd.Function`` (whose ``apply`` is no torch function: its output
 is caught when it comes back with a gradient); a trainable parameter of a descendant used by
@@ -78,6 +82,10 @@ ELEMENTWISE = _functions(
     *(f"__{op}__" for base in ("add", "sub", "mul", "truediv", "div", "pow")
       for op in (base, f"r{base}", f"i{base}")))
 """Elementwise broadcasting ops: a use site when a derived input meets the batch."""
+
+LINEAR = frozenset({torch.nn.functional.linear})
+"""``F.linear(x, weight, bias)`` with the batch in ``x`` and a raw ``weight``: a use site whose
+per-sample gradient is a Linear layer's (:class:`LinearSite`)."""
 
 REPEAT = _functions("repeat")
 EXPANDS = _functions("expand", "expand_as", "broadcast_to")
@@ -187,11 +195,24 @@ class Site:
 
 
 @dataclass
+class LinearSite:
+    """One ``F.linear`` of the batch by raw parameters: the watched tensor is its output; its
+    ``weight`` and ``bias`` (their names; None: not a raw parameter) have the per-sample
+    gradients of a Linear layer on ``input`` (the batched input, detached: autograd saves it
+    for the weight's gradient and refuses the backward if it is changed in place), the batch
+    at ``batch_dim``."""
+    weight: str | None
+    bias: str | None
+    input: Tensor
+    batch_dim: int
+
+
+@dataclass
 class Uses:
     """What one call's own code did with its module's raw parameters: the use sites, in the
     order of the call's watched tensors, and ``problem``, the first use that cannot be followed
     (None: every use was seen)."""
-    sites: list[Site]
+    sites: list[Site | LinearSite]
     problem: str | None = None
 
 
@@ -275,6 +296,10 @@ class _Forward:
             self.refuse(f"writes in place into a value of, or with a value of, its raw "
                         f"parameter(s) {values} (`{_name(func)}`) without the batch")
             return func(*args, **kwargs)
+        if func in LINEAR and batched:
+            out = self.linear_site(func, args, kwargs)
+            if out is not None:
+                return out
         if (func in ELEMENTWISE and batched) or func in EXPANDS or func in REPEAT:
             shape = self.output_shape(func, args, kwargs, inputs)
             dim = self.dim_in(shape)
@@ -285,8 +310,9 @@ class _Forward:
             self.refuse(
                 f"uses its raw parameter(s) {values} together with the batch in "
                 f"`{_name(func)}`, which the per-sample path for raw parameters cannot follow "
-                "(it follows elementwise ops such as `x + p` and `x * p` and expands such as "
-                "`p.expand(B, -1, -1)`, with the batch of size B at batch_dim)")
+                "(it follows elementwise ops such as `x + p` and `x * p`, expands such as "
+                "`p.expand(B, -1, -1)` and `F.linear(x, p, b)` of raw parameters, with the "
+                "batch of size B at batch_dim)")
             out = func(*args, **kwargs)
             for o in _outputs(out):
                 self.batched[id(o)] = o
@@ -344,6 +370,28 @@ class _Forward:
         out = func(*args, **kwargs)
         for o in _outputs(out):
             self.batched[id(o)] = o
+        return out
+
+    def linear_site(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
+        """``F.linear(x, weight, bias)`` with ``x`` batched and its weight or bias raw
+        parameters (the other a constant or None): run as it is, its output watched
+        (:class:`LinearSite`). None (not run) for anything else."""
+        bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+        x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+        dim = self.uses.batch_dim
+        if not isinstance(x, Tensor) or id(x) not in self.batched or not 0 <= dim < x.dim() - 1:
+            return None
+        names = []
+        for t in (weight, bias):
+            entry = self.tracked.get(id(t)) if isinstance(t, Tensor) else None
+            if isinstance(t, Tensor) and id(t) in self.batched or \
+                    entry is not None and not entry[1].is_parameter:
+                return None
+            names.append(entry[1].name if entry is not None else None)
+        out = func(*args, **kwargs)
+        self.watched.append(out)
+        self.record.sites.append(LinearSite(*names, x.detach(), dim))
+        self.batched[id(out)] = out
         return out
 
     def derive(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
@@ -529,5 +577,5 @@ def follow_raw_uses(owner: nn.Module, batch_dim: int, capturing: Callable[[], bo
     return uses.take, uses.install()
 
 
-__all__ = ["Derived", "Site", "Uses", "RawUses", "follow_raw_uses", "ELEMENTWISE", "EXPANDS",
-           "REPEAT"]
+__all__ = ["Derived", "Site", "LinearSite", "Uses", "RawUses", "follow_raw_uses", "ELEMENTWISE",
+           "EXPANDS", "LINEAR", "REPEAT"]

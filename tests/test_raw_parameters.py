@@ -190,12 +190,42 @@ class TwoWays(nn.Module):
         return self.norm(torch.sin(self.norm(self.lin(x))), layer=True) * x
 
 
+class CustomLinear(nn.Module):
+    """A Linear written by hand: ``F.linear`` of raw parameters, followed as a Linear layer."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+        self.bias = nn.Parameter(torch.randn(d_out)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class LinearUses(nn.Module):
+    """Raw weights in ``F.linear`` on the batch: on a child's output and on the input (the
+    weight used twice, once without the bias), then a CustomLinear leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(3)
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.b = nn.Parameter(torch.randn(4))
+        self.out = CustomLinear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(F.linear(self.norm(x), self.w, self.b)) + F.linear(x, self.w)
+        return self.out(h)
+
+
 class LayerNormCall(HandNorm):
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x, layer=True)
 
 
 LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
+          "custom_linear": lambda: nn.Sequential(CustomLinear(3, 4), nn.Tanh(),
+                                                 CustomLinear(4, 2, bias=False)),
           "hand_norm": lambda: nn.Sequential(HandNorm(3), nn.Linear(3, 4)),
           "layer_norm_call": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh(), LayerNormCall(3)),
           "two_ways": lambda: nn.Sequential(nn.Linear(3, 4), TwoWays(4))}
@@ -217,6 +247,7 @@ CASES = {
     "timm_like": (TimmLikeViT, images),
     "leaves": (lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4), TwoWays(4)),
                lambda b: [torch.randn(b, 2, 3)]),
+    "linear_uses": (LinearUses, lambda b: [torch.randn(b, 2, 3)]),
 }
 
 
@@ -296,7 +327,8 @@ def test_grad1_norms_and_clipping_match_the_loop(case, loss_type, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen", "leaves"])
+@pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen", "leaves",
+                                  "linear_uses"])
 def test_dpsgd_steps_match_the_loop(case, dtype):
     """DPSGD (no noise, lr 0): the first step (checked: an ordinary backward) and the next ones
     (the output-edge backward, which must reach the watched use sites; per-sample gradients
@@ -443,7 +475,7 @@ def test_batch_one_and_batch_dim_one():
     assert_close(got, expected, torch.float64)
 
 
-@pytest.mark.parametrize("case", ["vit", "leaves"])
+@pytest.mark.parametrize("case", ["vit", "leaves", "linear_uses"])
 def test_second_moments_after_backprop_hess(case):
     """Several backward passes (backprop_hess): each pass's use-site gradients are paired with
     its output gradients; the Fisher diagonal is sum_i sum_k J_ik^2 of the loop."""
@@ -682,7 +714,7 @@ def test_leaf_modules_are_followed_or_rerun_exactly(leaf, dtype):
 
 
 def test_which_calls_are_rerun(monkeypatch):
-    """A followed call never reaches the torch.func fallback; an unfollowed one does."""
+    """A followed call never reaches the torch.func fallback; an unfollowed one does, once."""
     from per_sample_hooks.rules import raw_parameters
     reran = []
     call_grad1 = raw_parameters.call_grad1
@@ -692,10 +724,10 @@ def test_which_calls_are_rerun(monkeypatch):
         return call_grad1(module, *args)
 
     monkeypatch.setattr(raw_parameters, "call_grad1", counted)
-    for leaf, expected in [("scale", []), ("hand_norm", []), ("two_ways", ["HandNorm"]),
-                           ("layer_norm_call", ["LayerNormCall"])]:
-        reran.clear()
-        assert_matches_loop(LEAVES[leaf](), [torch.randn(4, 3)])
+    for leaf, expected in [("scale", []), ("hand_norm", []), ("custom_linear", []),
+                           ("two_ways", ["HandNorm"]), ("layer_norm_call", ["LayerNormCall"])]:
+        reran.clear()  # (a checked step's hooked sums would re-run them once more)
+        assert_matches_loop(LEAVES[leaf](), [torch.randn(4, 3)], check_unseen=False)
         assert reran == expected, leaf
 
 
@@ -726,3 +758,20 @@ def test_dropout_around_a_followed_use_is_exact():
             expected = torch.stack([g[k] for g in per_sample])  # grad1[i]: sample i's loss
             torch.testing.assert_close(p.grad1, expected, rtol=1e-10, atol=1e-12,
                                        msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_linear_uses_are_outer_forms_and_a_frozen_weight_leaves_the_bias():
+    """An ``F.linear`` of raw parameters gives a Linear's forms (norms without per-sample
+    gradients); with the weight frozen the bias is followed alone."""
+    from per_sample_hooks.forms import Outer
+    torch.manual_seed(0)
+    model = nn.Sequential(CustomLinear(3, 4), nn.Tanh(), CustomLinear(4, 2)).double()
+    model[0].weight.requires_grad_(False)
+    x = torch.randn(5, 2, 3, dtype=torch.double)
+    assert_matches_loop(model, [x])
+    with psh.add_hooks(model) as state:
+        weighted_square(model(x)).mean().backward()
+        for module, names in ((model[0], ["bias"]), (model[2], ["weight", "bias"])):
+            forms = state.rules[module].forms(module, state.calls[module], names)
+            assert all(isinstance(f, Outer) for parts in forms.values() for f in parts)
+            assert all(len(parts) == 1 for parts in forms.values())

@@ -30,10 +30,11 @@ from torch import Tensor, nn
 
 from ..capture import Call
 from ..errors import PerSampleHooksError
-from ..forms import Dense, Form
-from ..raw_uses import Derived, Uses, follow_raw_uses
+from ..forms import Dense, Form, one_group
+from ..raw_uses import Derived, LinearSite, Site, Uses, follow_raw_uses
 from .base import Rule
 from .fallback import FallbackRule, call_grad1
+from .linear import flatten_positions
 
 
 def _uses(call: Call) -> Uses:
@@ -45,7 +46,7 @@ def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
     summed over the value's sites and the backward passes."""
     summed: dict[int, tuple[Derived, Tensor]] = {}
     for site, passes in zip(_uses(call).sites, call.watched):
-        if not passes:  # this use did not reach the loss
+        if not passes or isinstance(site, LinearSite):  # did not reach the loss; a Linear's
             continue
         grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
         per_sample = grad.movedim(site.batch_dim, 0).reshape(grad.shape[site.batch_dim],
@@ -55,6 +56,23 @@ def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
             per_sample = per_sample + summed[key][1]
         summed[key] = (site.value, per_sample)
     return list(summed.values())
+
+
+def linear_forms(call: Call, names: Sequence[str]) -> list[tuple[str, Form]]:
+    """``(name, form)`` of the call's ``F.linear`` sites: a Linear layer's, ``Outer(G, x)`` for
+    the weight and ``Outer(G)`` for the bias, positions the leading dims."""
+    found = []
+    for site, passes in zip(_uses(call).sites, call.watched):
+        if not passes or not isinstance(site, LinearSite):
+            continue
+        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        grads = flatten_positions(grad.movedim(site.batch_dim, 0))
+        if site.weight in names:
+            acts = flatten_positions(site.input.movedim(site.batch_dim, 0))
+            found.append((site.weight, one_group(grads, acts)))
+        if site.bias in names:
+            found.append((site.bias, one_group(grads, None)))
+    return found
 
 
 def pull_back(module: nn.Module, value: Derived, per_sample: Tensor) -> dict[str, Tensor]:
@@ -87,7 +105,8 @@ class RawParameterRule(Rule):
                     f"'{name}' ({type(module).__name__}) {uses.problem}. Its per-sample "
                     "gradients cannot be followed op by op: make it one unit of the torch.func "
                     f"fallback, add_hooks(model, units=['{name}']), or rewrite that use")
-            replayed = [site.value for site in uses.sites if not site.value.is_parameter]
+            replayed = [site.value for site in uses.sites
+                        if isinstance(site, Site) and not site.value.is_parameter]
             if any(value.modified() for value in replayed):
                 raise PerSampleHooksError(
                     f"'{name}' ({type(module).__name__}): a tensor its raw parameters' values "
@@ -109,6 +128,8 @@ class RawParameterRule(Rule):
                 for name, grad in pull_back(module, value, per_sample).items():
                     if name in result:
                         result[name].append(Dense(grad))
+            for name, form in linear_forms(call, names):
+                result[name].append(form)
         for name, parts in result.items():
             if not parts:  # not used in any call that reached the loss
                 p = module.get_parameter(name)
@@ -126,7 +147,6 @@ class RawUsesOrFallbackRule(RawParameterRule):
     module was before. No child is hooked separately either way."""
 
     fallback = FallbackRule()
-    forms_rerun = True  # the calls that are re-run: kept per-sample gradients are read instead
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         followed, rerun = _split_calls(calls)
