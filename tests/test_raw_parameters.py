@@ -775,3 +775,43 @@ def test_linear_uses_are_outer_forms_and_a_frozen_weight_leaves_the_bias():
             forms = state.rules[module].forms(module, state.calls[module], names)
             assert all(isinstance(f, Outer) for parts in forms.values() for f in parts)
             assert all(len(parts) == 1 for parts in forms.values())
+
+
+def test_linear_and_elementwise_uses_of_one_weight_and_the_batch_at_dim_one():
+    """One weight in F.linear and, sliced, elementwise (an Outer and a Dense form, cross terms
+    in the norms); F.linear of a sequence-first batch (batch_dim=1)."""
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return F.linear(x, self.w) * self.w[:, 0] + self.w.sum()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Mixed())
+    for shape in [(5, 3), (5, 2, 3)]:
+        x = torch.randn(*shape)
+        assert_matches_loop(model, [x])
+        total, _, grads = loop_norms(model.double(), [x.double()], weighted_square, "mean")
+        with psh.add_hooks(model):
+            weighted_square(model(x.double())).mean().backward()
+            torch.testing.assert_close(psh.compute_norms(model), total, **tolerance(torch.float64))
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4))
+
+        def forward(self, x):  # [T, B, 3]
+            return torch.tanh(F.linear(x, self.w, self.b))
+
+    model = SequenceFirst().double()
+    x = torch.randn(6, 3, 3, dtype=torch.double)
+    with psh.add_hooks(model, batch_dim=1):
+        weighted_square(model(x).transpose(0, 1)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    expected = loop_grads_of(model, ([x[:, i:i + 1]] for i in range(3)),
+                             lambda out: weighted_square(out.transpose(0, 1)))
+    assert_close(got, expected, torch.float64)
