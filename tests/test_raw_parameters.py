@@ -290,6 +290,17 @@ def assert_close(got: dict[str, Tensor], expected: dict[str, Tensor], dtype: tor
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
+def assert_sequence_first_matches(model: nn.Module, x: Tensor) -> None:
+    """grad1 of a model of ``[T, B, ...]`` inputs (``batch_dim=1``) against the float64 loop."""
+    with psh.add_hooks(model, batch_dim=1):
+        weighted_square(model(x).transpose(0, 1)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    expected = loop_grads_of(model, ([x[:, i:i + 1]] for i in range(x.shape[1])),
+                             lambda out: weighted_square(out.transpose(0, 1)))
+    assert_close(got, expected, torch.float64)
+
+
 def no_units(model: nn.Module) -> None:
     state = psh.add_hooks(model)
     assert state.units == set()
@@ -466,13 +477,7 @@ def test_batch_one_and_batch_dim_one():
 
     model = SequenceFirst().double()
     x = torch.randn(4, 3, 3, dtype=torch.double)
-    with psh.add_hooks(model, batch_dim=1):
-        weighted_square(model(x).transpose(0, 1)).mean().backward()
-        psh.compute_grad1(model)
-        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
-    expected = loop_grads_of(model, ([x[:, i:i + 1]] for i in range(3)),
-                             lambda out: weighted_square(out.transpose(0, 1)))
-    assert_close(got, expected, torch.float64)
+    assert_sequence_first_matches(model, x)
 
 
 @pytest.mark.parametrize("case", ["vit", "leaves", "linear_uses"])
@@ -808,10 +813,4 @@ def test_linear_and_elementwise_uses_of_one_weight_and_the_batch_at_dim_one():
 
     model = SequenceFirst().double()
     x = torch.randn(6, 3, 3, dtype=torch.double)
-    with psh.add_hooks(model, batch_dim=1):
-        weighted_square(model(x).transpose(0, 1)).mean().backward()
-        psh.compute_grad1(model)
-        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
-    expected = loop_grads_of(model, ([x[:, i:i + 1]] for i in range(3)),
-                             lambda out: weighted_square(out.transpose(0, 1)))
-    assert_close(got, expected, torch.float64)
+    assert_sequence_first_matches(model, x)
