@@ -87,12 +87,13 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     - with child modules: the children keep their own rules, and the uses of the module's
       raw parameters in its own code are followed op by op (:mod:`per_sample_hooks.raw_uses`:
       elementwise ops with the batch such as ``x + pos``, ``x * gamma``, expands such as
-      ``cls.expand(B, -1, -1)`` and ``F.linear(x, w, b)``, exact); a use that cannot be
-      followed (a matmul with a raw weight, a raw value passed to a child, a child's weight
-      used by the module's own code) is refused by the ``compute_*`` call with what to do;
+      ``cls.expand(B, -1, -1)``, ``F.linear(x, w, b)`` and ``x @ w``, exact); a use that
+      cannot be followed (a product with a weight computed first, a raw value passed to a
+      child, a child's weight used by the module's own code) is refused by the ``compute_*``
+      call with what to do;
     - without children (a learned scale, position embeddings, a normalization written by
       hand, a custom linear): the same following, call by call; a call whose uses cannot be
-      followed (a raw weight in a matmul, ``F.layer_norm``) is re-run per sample by the
+      followed (``F.layer_norm`` with a raw weight) is re-run per sample by the
       ``torch.func`` fallback instead of refused.
 
     A unit includes everything below it (its children are not hooked separately: its forward

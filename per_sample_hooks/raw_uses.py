@@ -32,10 +32,12 @@ is watched (:attr:`Call.watched <per_sample_hooks.capture.Call>`); the call's no
 :class:`Uses`, says which derived value each watched tensor stands for. ``F.linear(x, w, b)``
 with the batch in ``x`` and raw parameters ``w`` and/or ``b`` (the other a constant or None)
 is a use site too, a Linear layer's (:class:`LinearSite`): its output is watched and ``x``
-kept, and the rule forms ``Outer(G, x)`` and ``Outer(G)`` from them, as for ``nn.Linear``.
+kept, and the rule forms ``Outer(G, x)`` and ``Outer(G)`` from them, as for ``nn.Linear``; so
+is ``x @ w`` with ``w`` a raw 2-D parameter (``Outer(x, G)``) or its transpose (``w.t()``,
+``w.T``, ``w.mT``, ``w.transpose(0, 1)``: ``Outer(G, x)``).
 
 Anything else is refused, never silently followed: a derived tensor in any other op with the
-batch (a matmul with a raw weight, an ``F.linear`` with a weight computed from parameters,
+batch (a product with a weight computed from parameters, ``w @ x`` with the weight first,
 ``torch.cat`` of an unexpanded token with the batch, an
 op that mixes the samples), passed to a child module, returned, written in place, or used
 inside a custom ``torch.autograd.Function`` (whose ``apply`` is no torch function: its output
@@ -86,6 +88,24 @@ ELEMENTWISE = _functions(
 LINEAR = frozenset({torch.nn.functional.linear})
 """``F.linear(x, weight, bias)`` with the batch in ``x`` and a raw ``weight``: a use site whose
 per-sample gradient is a Linear layer's (:class:`LinearSite`)."""
+
+MATMUL = _functions("matmul")
+"""``x @ w`` (``torch.matmul``) with the batch in ``x`` and ``w`` a raw 2-D parameter or its
+transpose: a Linear layer's use site too."""
+
+_TRANSPOSES = _functions("t", "transpose")
+
+
+def _transposed_parameter(value: Derived) -> str | None:
+    """The name of the 2-D raw parameter ``value`` is the transpose of (``p.t()``, ``p.T``,
+    ``p.mT``, ``p.transpose(0, 1)``), else None."""
+    source = value.args[0] if value.args else None
+    if not isinstance(source, Derived) or not source.is_parameter or source.source.dim() != 2:
+        return None
+    owner = getattr(value.func, "__self__", None)
+    if value.func in _TRANSPOSES or owner is Tensor.T or owner is Tensor.mT:
+        return source.name  # a 2-D tensor has one transpose
+    return None
 
 REPEAT = _functions("repeat")
 EXPANDS = _functions("expand", "expand_as", "broadcast_to")
@@ -205,6 +225,8 @@ class LinearSite:
     bias: str | None
     input: Tensor
     batch_dim: int
+    #: ``x @ weight`` (``weight [in, out]``): per-sample gradients ``x^T G``, not ``G^T x``
+    transposed: bool = False
 
 
 @dataclass
@@ -296,7 +318,7 @@ class _Forward:
             self.refuse(f"writes in place into a value of, or with a value of, its raw "
                         f"parameter(s) {values} (`{_name(func)}`) without the batch")
             return func(*args, **kwargs)
-        if func in LINEAR and batched:
+        if batched and (func in LINEAR or func in MATMUL):
             out = self.linear_site(func, args, kwargs)
             if out is not None:
                 return out
@@ -311,8 +333,8 @@ class _Forward:
                 f"uses its raw parameter(s) {values} together with the batch in "
                 f"`{_name(func)}`, which the per-sample path for raw parameters cannot follow "
                 "(it follows elementwise ops such as `x + p` and `x * p`, expands such as "
-                "`p.expand(B, -1, -1)` and `F.linear(x, p, b)` of raw parameters, with the "
-                "batch of size B at batch_dim)")
+                "`p.expand(B, -1, -1)`, and `F.linear(x, p, b)`, `x @ p` and `x @ p.T` of raw "
+                "parameters, with the batch of size B at batch_dim)")
             out = func(*args, **kwargs)
             for o in _outputs(out):
                 self.batched[id(o)] = o
@@ -374,23 +396,35 @@ class _Forward:
 
     def linear_site(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         """``F.linear(x, weight, bias)`` with ``x`` batched and its weight or bias raw
-        parameters (the other a constant or None): run as it is, its output watched
-        (:class:`LinearSite`). None (not run) for anything else."""
-        bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
-        x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
-        dim = self.uses.batch_dim
+        parameters (the other a constant or None), or ``x @ w`` with ``w`` a raw 2-D parameter
+        or its transpose: run as it is, its output watched (:class:`LinearSite`). None (not
+        run) for anything else."""
+        names = ("input", "weight", "bias") if func in LINEAR else ("input", "other")
+        bound = dict(zip(names, args), **kwargs)
+        x, dim = bound.get("input"), self.uses.batch_dim
         if not isinstance(x, Tensor) or id(x) not in self.batched or not 0 <= dim < x.dim() - 1:
             return None
-        names = []
-        for t in (weight, bias):
-            entry = self.tracked.get(id(t)) if isinstance(t, Tensor) else None
-            if isinstance(t, Tensor) and id(t) in self.batched or \
-                    entry is not None and not entry[1].is_parameter:
+        if func in LINEAR:
+            found: list[str | None] = []
+            for t in (bound.get("weight"), bound.get("bias")):
+                entry = self.tracked.get(id(t)) if isinstance(t, Tensor) else None
+                if isinstance(t, Tensor) and id(t) in self.batched or \
+                        entry is not None and not entry[1].is_parameter:
+                    return None
+                found.append(entry[1].name if entry is not None else None)
+            site = LinearSite(*found, x.detach(), dim)
+        else:
+            entry = self.tracked.get(id(bound.get("other")))
+            if entry is None or entry[0].dim() != 2:
                 return None
-            names.append(entry[1].name if entry is not None else None)
+            value = entry[1]
+            name = value.name if value.is_parameter else _transposed_parameter(value)
+            if name is None:
+                return None
+            site = LinearSite(name, None, x.detach(), dim, transposed=value.is_parameter)
         out = func(*args, **kwargs)
         self.watched.append(out)
-        self.record.sites.append(LinearSite(*names, x.detach(), dim))
+        self.record.sites.append(site)
         self.batched[id(out)] = out
         return out
 
@@ -578,4 +612,4 @@ def follow_raw_uses(owner: nn.Module, batch_dim: int, capturing: Callable[[], bo
 
 
 __all__ = ["Derived", "Site", "LinearSite", "Uses", "RawUses", "follow_raw_uses", "ELEMENTWISE",
-           "EXPANDS", "LINEAR", "REPEAT"]
+           "EXPANDS", "LINEAR", "MATMUL", "REPEAT"]

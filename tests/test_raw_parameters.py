@@ -218,6 +218,23 @@ class LinearUses(nn.Module):
         return self.out(h)
 
 
+class MatmulUses(nn.Module):
+    """Raw weights in ``x @ w`` on the batch: ``w [in, out]`` itself and each way of writing
+    the transpose of ``w [out, in]``, around a child."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(3)
+        self.w_in_out = nn.Parameter(torch.randn(3, 4))
+        self.w_t, self.w_T, self.w_mT, self.w_transpose = (
+            nn.Parameter(torch.randn(4, 3)) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        return torch.tanh(h @ self.w_in_out + x @ self.w_t.t()) * (h @ self.w_T.T) \
+            + torch.matmul(h, self.w_mT.mT) - x @ self.w_transpose.transpose(0, 1)
+
+
 class LayerNormCall(HandNorm):
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x, layer=True)
@@ -248,6 +265,7 @@ CASES = {
     "leaves": (lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4), TwoWays(4)),
                lambda b: [torch.randn(b, 2, 3)]),
     "linear_uses": (LinearUses, lambda b: [torch.randn(b, 2, 3)]),
+    "matmul_uses": (MatmulUses, lambda b: [torch.randn(b, 2, 3)]),
 }
 
 
@@ -339,7 +357,7 @@ def test_grad1_norms_and_clipping_match_the_loop(case, loss_type, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen", "leaves",
-                                  "linear_uses"])
+                                  "linear_uses", "matmul_uses"])
 def test_dpsgd_steps_match_the_loop(case, dtype):
     """DPSGD (no noise, lr 0): the first step (checked: an ordinary backward) and the next ones
     (the output-edge backward, which must reach the watched use sites; per-sample gradients
@@ -480,7 +498,7 @@ def test_batch_one_and_batch_dim_one():
     assert_sequence_first_matches(model, x)
 
 
-@pytest.mark.parametrize("case", ["vit", "leaves", "linear_uses"])
+@pytest.mark.parametrize("case", ["vit", "leaves", "linear_uses", "matmul_uses"])
 def test_second_moments_after_backprop_hess(case):
     """Several backward passes (backprop_hess): each pass's use-site gradients are paired with
     its output gradients; the Fisher diagonal is sum_i sum_k J_ik^2 of the loop."""
@@ -545,14 +563,14 @@ def test_compiled_after_hooking_is_exact(case):
 
 # ----------------------------------------------------------------------------- refusals
 
-class RawMatmul(nn.Module):
+class ComputedWeight(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.weight = nn.Parameter(torch.randn(2, 3))
 
     def forward(self, x):
-        return self.lin(x) @ self.weight.T  # .T: a property, followed as any op
+        return self.lin(x) @ (2 * self.weight).T  # a product with a weight computed first
 
 
 class PassedToChild(nn.Module):
@@ -651,7 +669,7 @@ REFUSALS = {
     TokenOnConstant: r"'cls_token' together with the batch in `cat`",
     CustomFunction: r"'gamma' in a computation whose gradient .* custom "
                     r"torch.autograd.Function\?\), then in `tanh`",
-    RawMatmul: r"'weight'.*together with the batch in `matmul`",
+    ComputedWeight: r"'weight'.*together with the batch in `matmul`",
     PassedToChild: r"passes a value of its raw parameter\(s\) 'pos' to a call of its child 'lin'",
     Returned: r"returns a value of its raw parameter\(s\) 'gamma'",
     ChildWeightInOwnCode: r"uses 'lin.weight', a parameter of a module below it, in `linear`",

@@ -59,8 +59,9 @@ def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
 
 
 def linear_forms(call: Call, names: Sequence[str]) -> list[tuple[str, Form]]:
-    """``(name, form)`` of the call's ``F.linear`` sites: a Linear layer's, ``Outer(G, x)`` for
-    the weight and ``Outer(G)`` for the bias, positions the leading dims."""
+    """``(name, form)`` of the call's ``F.linear`` and ``x @ w`` sites: a Linear layer's,
+    ``Outer(G, x)`` for the weight (``Outer(x, G)`` for ``x @ w``, ``w [in, out]``) and
+    ``Outer(G)`` for the bias, positions the leading dims."""
     found = []
     for site, passes in zip(_uses(call).sites, call.watched):
         if not passes or not isinstance(site, LinearSite):
@@ -69,7 +70,8 @@ def linear_forms(call: Call, names: Sequence[str]) -> list[tuple[str, Form]]:
         grads = flatten_positions(grad.movedim(site.batch_dim, 0))
         if site.weight in names:
             acts = flatten_positions(site.input.movedim(site.batch_dim, 0))
-            found.append((site.weight, one_group(grads, acts)))
+            found.append((site.weight, one_group(acts, grads) if site.transposed
+                          else one_group(grads, acts)))
         if site.bias in names:
             found.append((site.bias, one_group(grads, None)))
     return found
@@ -142,9 +144,9 @@ class RawUsesOrFallbackRule(RawParameterRule):
     embeddings added to its input, a normalization written by hand): its calls whose uses of
     the parameters can be followed (:class:`RawParameterRule`: exact, with no re-run, whatever
     random ops surround the uses) get their forms from the use sites; a call whose code used a
-    parameter otherwise (a matmul, ``F.layer_norm``) is re-run per sample by the ``torch.func``
-    fallback (:class:`~per_sample_hooks.rules.fallback.FallbackRule`), as every call of such a
-    module was before. No child is hooked separately either way."""
+    parameter otherwise (``F.layer_norm`` with it, ``w @ x``) is re-run per sample by the
+    ``torch.func`` fallback (:class:`~per_sample_hooks.rules.fallback.FallbackRule`), as every
+    call of such a module was before. No child is hooked separately either way."""
 
     fallback = FallbackRule()
 
