@@ -93,7 +93,8 @@ MATMUL = _functions("matmul")
 """``x @ w`` (``torch.matmul``) with the batch in ``x`` and ``w`` a raw 2-D parameter or its
 transpose: a Linear layer's use site too."""
 
-_TRANSPOSES = _functions("t", "transpose")
+_T = _functions("t")
+_TRANSPOSE = _functions("transpose")
 
 
 def _transposed_parameter(value: Derived) -> str | None:
@@ -103,8 +104,14 @@ def _transposed_parameter(value: Derived) -> str | None:
     if not isinstance(source, Derived) or not source.is_parameter or source.source.dim() != 2:
         return None
     owner = getattr(value.func, "__self__", None)
-    if value.func in _TRANSPOSES or owner is Tensor.T or owner is Tensor.mT:
-        return source.name  # a 2-D tensor has one transpose
+    if value.func in _T or owner is Tensor.T or owner is Tensor.mT:
+        return source.name
+    if value.func in _TRANSPOSE:
+        dims = [*value.args[1:3], *(value.kwargs.get(k) for k in ("dim0", "dim1")
+                                   if k in value.kwargs)]
+        if len(dims) == 2 and all(isinstance(d, int) for d in dims) and \
+                {d % 2 for d in dims} == {0, 1}:  # not transpose(0, 0)
+            return source.name
     return None
 
 REPEAT = _functions("repeat")

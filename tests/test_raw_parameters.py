@@ -226,13 +226,14 @@ class MatmulUses(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(3)
         self.w_in_out = nn.Parameter(torch.randn(3, 4))
-        self.w_t, self.w_T, self.w_mT, self.w_transpose = (
-            nn.Parameter(torch.randn(4, 3)) for _ in range(4))
+        self.w_t, self.w_T, self.w_mT, self.w_transpose, self.w_dims = (
+            nn.Parameter(torch.randn(4, 3)) for _ in range(5))
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.norm(x)
         return torch.tanh(h @ self.w_in_out + x @ self.w_t.t()) * (h @ self.w_T.T) \
-            + torch.matmul(h, self.w_mT.mT) - x @ self.w_transpose.transpose(0, 1)
+            + torch.matmul(h, self.w_mT.mT) - x @ self.w_transpose.transpose(0, 1) \
+            + h @ self.w_dims.transpose(dim0=-1, dim1=-2)
 
 
 class LayerNormCall(HandNorm):
@@ -573,6 +574,16 @@ class ComputedWeight(nn.Module):
         return self.lin(x) @ (2 * self.weight).T  # a product with a weight computed first
 
 
+class NoTranspose(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        return self.lin(x) @ self.weight.transpose(1, 1)  # the weight itself, not its transpose
+
+
 class PassedToChild(nn.Module):
     def __init__(self):
         super().__init__()
@@ -670,6 +681,7 @@ REFUSALS = {
     CustomFunction: r"'gamma' in a computation whose gradient .* custom "
                     r"torch.autograd.Function\?\), then in `tanh`",
     ComputedWeight: r"'weight'.*together with the batch in `matmul`",
+    NoTranspose: r"'weight'.*together with the batch in `matmul`",
     PassedToChild: r"passes a value of its raw parameter\(s\) 'pos' to a call of its child 'lin'",
     Returned: r"returns a value of its raw parameter\(s\) 'gamma'",
     ChildWeightInOwnCode: r"uses 'lin.weight', a parameter of a module below it, in `linear`",
