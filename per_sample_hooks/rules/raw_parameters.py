@@ -68,8 +68,8 @@ def linear_forms(call: Call, names: Sequence[str]) -> list[tuple[str, Form]]:
             continue
         grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
         grads = flatten_positions(grad.movedim(site.batch_dim, 0))
-        if site.weight in names:
-            acts = flatten_positions(site.input.movedim(site.batch_dim, 0))
+        if site.weight in names:  # (an autocast forward's input: in the gradients' dtype)
+            acts = flatten_positions(site.input.movedim(site.batch_dim, 0).to(grads.dtype))
             found.append((site.weight, one_group(acts, grads) if site.transposed
                           else one_group(grads, acts)))
         if site.bias in names:
