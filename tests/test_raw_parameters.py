@@ -535,7 +535,7 @@ def test_hooked_model_pickles_and_the_copy_is_not_hooked():
     assert_matches_loop(copied, [x])
 
 
-@pytest.mark.parametrize("case", ["vit", "leaves"])
+@pytest.mark.parametrize("case", ["vit", "leaves", "linear_uses", "matmul_uses"])
 def test_compiled_after_hooking_is_exact(case):
     """Hook, then torch.compile (aot_eager): exact through steps of two batch sizes (leaves:
     one call followed, one re-run)."""
