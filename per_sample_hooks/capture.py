@@ -92,8 +92,7 @@ class Call:
         passes = self.grads[leaf]
         if not passes:
             return None
-        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
-        return _batch_first(grad, self.batch_dim)
+        return _batch_first(summed_passes(passes), self.batch_dim)
 
     def backprops(self, leaf: int = 0) -> list[Tensor]:
         """One gradient per backward pass for output leaf ``leaf``, batch dim first."""
@@ -160,6 +159,11 @@ class Call:
         """Positions of tensor inputs modified in place since the forward."""
         return [i for i, (a, v) in enumerate(zip(self.args, self.versions))
                 if v is not None and a._version != v]
+
+
+def summed_passes(passes: list[Tensor]) -> Tensor:
+    """The sum of the gradients one captured tensor received, one per backward pass."""
+    return passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
 
 
 def _isolated(leaf: object) -> object:

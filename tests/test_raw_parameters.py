@@ -568,18 +568,13 @@ class ComputedWeight(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(3, 3)
-        self.weight = nn.Parameter(torch.randn(2, 3))
+        self.weight = nn.Parameter(torch.randn(3, 3))
 
     def forward(self, x):
         return self.lin(x) @ (2 * self.weight).T  # a product with a weight computed first
 
 
-class NoTranspose(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-        self.weight = nn.Parameter(torch.randn(3, 3))
-
+class NoTranspose(ComputedWeight):
     def forward(self, x):
         return self.lin(x) @ self.weight.transpose(1, 1)  # the weight itself, not its transpose
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..capture import Call
+from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
 from ..forms import Form, Outer, by_parameter, one_group
 from .attention_capture import Captured, capture_projections
@@ -197,9 +197,7 @@ def weights_gradient(call: Call) -> Tensor | None:
     """Captured gradient of the attention weights (batch first: the module returns them so
     whatever ``batch_first`` says), summed over passes; None if the loss did not use them."""
     passes = call.grads[1] if len(call.grads) > 1 else []
-    if not passes:
-        return None
-    return passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+    return summed_passes(passes) if passes else None
 
 
 def probs_gradient(call: Call, inputs: Inputs, heads: int) -> Tensor | None:
@@ -211,16 +209,19 @@ def probs_gradient(call: Call, inputs: Inputs, heads: int) -> Tensor | None:
     return (grad_weights / heads).unsqueeze(1)
 
 
+def output_gradient(module: nn.MultiheadAttention, call: Call) -> Tensor:
+    """The captured gradient of the attention output, summed over passes: ``[B, L, E]``."""
+    grad = summed_passes(call.grads[0])
+    return grad if module.batch_first else grad.transpose(0, 1)
+
+
 def recomputed_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
                      ) -> list[tuple[str, Outer]]:
     """``(parameter name, form)`` of one call for the parameters in ``names`` (only the work
     they need): outer products of the recomputed projections' gradients and inputs; the
     unfused in-projection as three blocks (query, key, value rows); ``bias_k`` ``[1, 1, E]``
     as ``[1, E]``."""
-    grad_out = call.grads[0]
-    grad_out = grad_out[0] if len(grad_out) == 1 else torch.stack(grad_out).sum(0)
-    if not module.batch_first:
-        grad_out = grad_out.transpose(0, 1)  # [B, L, E]
+    grad_out = output_gradient(module, call)
     terms: list[tuple[str, Outer]] = []
     if "out_proj.bias" in names:
         terms.append(("out_proj.bias", one_group(grad_out, None)))
@@ -280,11 +281,6 @@ def recomputed_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[
     return terms
 
 
-def summed(passes: list[Tensor]) -> Tensor:
-    """The sum of a captured gradient's backward passes."""
-    return passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
-
-
 def captured(call: Call) -> Captured | None:
     """The call's captured projections, when they serve its per-sample gradients: captured,
     and every watched gradient arrived in each backward pass the output's did (else None:
@@ -305,9 +301,7 @@ def captured_forms(module: nn.MultiheadAttention, call: Call, note: Captured,
     ``Outer(G, o)``; each in-projection's block of rows ``Outer(dP, x)`` from the watched
     gradient ``dP`` of its output and its input ``x`` (query, key or value). None when a
     parameter in ``names`` is in no captured product (recomputed then)."""
-    grad_out = summed(call.grads[0])
-    if not module.batch_first:
-        grad_out = grad_out.transpose(0, 1)  # [B, L, E]
+    grad_out = output_gradient(module, call)
     terms: list[tuple[str, Outer]] = []
     if "out_proj.bias" in names:
         terms.append(("out_proj.bias", one_group(grad_out, None)))
@@ -318,7 +312,7 @@ def captured_forms(module: nn.MultiheadAttention, call: Call, note: Captured,
         terms.append(("out_proj.weight", one_group(grad_out, attended)))
     inputs = bind(module, call) if any(n in names for n in IN_PROJ) else None
     for projection, passes in zip(note.projections, call.watched):
-        grad = summed(passes).transpose(0, 1)  # [L, B, rows] -> [B, L, rows]
+        grad = summed_passes(passes).transpose(0, 1)  # [L, B, rows] -> [B, L, rows]
         if projection.weight in names:
             source = (inputs.query, inputs.key, inputs.value)[projection.source]
             terms.append((projection.weight, one_group(grad, source, projection.weight_rows)))

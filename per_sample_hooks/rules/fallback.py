@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from ..capture import Call
+from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
 from .base import Rule
 
@@ -275,7 +275,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                 f"of size {layout.batch_size} (shape {tuple(passes[0].shape)}); per-sample "
                 "gradients need every output that reaches the loss to be batched. Pass "
                 "batch_dim to add_hooks for this module if its batch is not dimension 0")
-        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        grad = summed_passes(passes)
         cotangents.append(grad * scale if scale != 1 else grad)
         out_specs.append(spec)
         out_leaves.append(j)

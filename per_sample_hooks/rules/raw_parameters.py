@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..capture import Call
+from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form, one_group
 from ..raw_uses import Derived, LinearSite, Site, Uses, follow_raw_uses
@@ -48,7 +48,7 @@ def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
     for site, passes in zip(_uses(call).sites, call.watched):
         if not passes or isinstance(site, LinearSite):  # did not reach the loss; a Linear's
             continue
-        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        grad = summed_passes(passes)
         per_sample = grad.movedim(site.batch_dim, 0).reshape(grad.shape[site.batch_dim],
                                                                *site.shape)
         key = id(site.value)
@@ -66,7 +66,7 @@ def linear_forms(call: Call, names: Sequence[str]) -> list[tuple[str, Form]]:
     for site, passes in zip(_uses(call).sites, call.watched):
         if not passes or not isinstance(site, LinearSite):
             continue
-        grad = passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+        grad = summed_passes(passes)
         grads = flatten_positions(grad.movedim(site.batch_dim, 0))
         if site.weight in names:  # (an autocast forward's input: in the gradients' dtype)
             acts = flatten_positions(site.input.movedim(site.batch_dim, 0).to(grads.dtype))
@@ -158,8 +158,6 @@ class RawUsesOrFallbackRule(RawParameterRule):
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
         followed, rerun = _split_calls(calls)
-        if not rerun:
-            return super().forms(module, followed, names)
         result = super().forms(module, followed, names) if followed else \
             {name: [] for name in names}
         params = {name: module.get_parameter(name) for name in names}

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from ..capture import Call
+from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
 from ..forms import Form, Outer, by_parameter, one_group
 from .base import Rule, register_rule
@@ -247,9 +247,7 @@ def recurrent_input(module: nn.RNNBase, call: Call) -> RecurrentInput:
 
 def _summed_grad(call: Call, leaf: int) -> Tensor | None:
     passes = call.grads[leaf]
-    if not passes:
-        return None
-    return passes[0] if len(passes) == 1 else torch.stack(passes).sum(0)
+    return summed_passes(passes) if passes else None
 
 
 def output_grads(module: nn.RNNBase, call: Call, inputs: RecurrentInput
