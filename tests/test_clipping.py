@@ -19,6 +19,7 @@ from test_norms import CONV_PATHS, Reused
 from torch import nn
 
 import per_sample_hooks as psh
+from ground_truth import weighted_square
 from per_sample_hooks import norms as norms_module
 from per_sample_hooks import quantities
 from per_sample_hooks.forms import ghost
@@ -92,15 +93,20 @@ class Grad1Only(psh.Rule):
         LinearRule().grad1(module, calls, scale, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("keep", [False, True])
-def test_quantities_of_a_grad1_only_rule_match_the_forms(keep):
+def test_quantities_of_a_grad1_only_rule_match_the_forms(keep, dtype):
+    """Norms and weighted sums of a rule with forms and of a grad1-only rule (materialized,
+    into kept buffers or not): alike, and those of the float64 per-sample loop."""
     torch.manual_seed(0)
-    model = nn.Linear(4, 3).double()
-    x = torch.randn(5, 2, 4, dtype=torch.double)
+    model = nn.Linear(4, 3).to(dtype)
+    x = torch.randn(5, 2, 4, dtype=dtype)
+    _, per_param, grads = loop_norms(copy.deepcopy(model).double(), [x.double()],
+                                     weighted_square, "mean")
     hooked_backward(model, [x])
     state = psh.add_hooks(model)
     calls, names = state.calls[model], ["weight", "bias"]
-    weights = torch.rand(5, dtype=torch.double)
+    weights = torch.rand(5, dtype=dtype)
     results = []
     for rule in (LinearRule(), Grad1Only()):
         kept = KeptGrads(10**6, lambda m, n, p, b: p.new_empty((b, *p.shape))) if keep else None
@@ -110,9 +116,16 @@ def test_quantities_of_a_grad1_only_rule_match_the_forms(keep):
         results.append((squared, out))
     psh.remove_hooks(model)
     (forms_norms, forms_sums), (dense_norms, dense_sums) = results
+    same = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    loop = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     for n in names:
-        torch.testing.assert_close(dense_sums[n], forms_sums[n], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(dense_norms[n], forms_norms[n], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dense_sums[n], forms_sums[n], **same)
+        torch.testing.assert_close(dense_norms[n], forms_norms[n], **same)
+        # captured per-sample gradients of a mean loss carry 1/B; norms_squared's scale 5 = B
+        expected_sum = (weights.double().view(-1, *[1] * (grads[n].dim() - 1)) * grads[n]
+                        ).sum(0) / 5
+        torch.testing.assert_close(forms_sums[n].double(), expected_sum, **loop)
+        torch.testing.assert_close(forms_norms[n].double(), per_param[n] ** 2, **loop)
     assert forms_norms["weight"].abs().min() > 0
 
 

@@ -155,6 +155,7 @@ def test_a_verbatim_copy_in_user_code_is_recognized():
     assert isinstance(default_registry.lookup(model[0]), LlamaRMSNormRule)
     assert psh.is_supported(model[0], fallback=False)
     assert_matches_loop(model, [torch.randn(3, 2, 5)])
+    assert_float32_matches(model.float(), [torch.randn(4, 5)], 0.5)
 
 
 @pytest.mark.parametrize("entry", LLAMA_RMS_NORMS)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import TimmLikeViT
-from norms_truth import loop_clipped, loop_norms
+from norms_truth import assert_float32_matches, loop_clipped, loop_norms
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
@@ -799,6 +799,12 @@ def test_linear_uses_are_outer_forms_and_a_frozen_weight_leaves_the_bias():
     model[0].weight.requires_grad_(False)
     x = torch.randn(5, 2, 3, dtype=torch.double)
     assert_matches_loop(model, [x])
+    single = copy.deepcopy(model).float()
+    with psh.add_hooks(single):
+        weighted_square(single(x.float())).mean().backward()
+        psh.compute_grad1(single)
+        got = {n: p.grad1.clone() for n, p in single.named_parameters() if p.requires_grad}
+    assert_close(got, loop_grads(model, [x], weighted_square, 5), torch.float32)
     with psh.add_hooks(model) as state:
         weighted_square(model(x)).mean().backward()
         for module, names in ((model[0], ["bias"]), (model[2], ["weight", "bias"])):
@@ -823,6 +829,7 @@ def test_linear_and_elementwise_uses_of_one_weight_and_the_batch_at_dim_one():
     for shape in [(5, 3), (5, 2, 3)]:
         x = torch.randn(*shape)
         assert_matches_loop(model, [x])
+        assert_float32_matches(copy.deepcopy(model).float(), [x], 0.5)
         total, _, grads = loop_norms(model.double(), [x.double()], weighted_square, "mean")
         with psh.add_hooks(model):
             weighted_square(model(x.double())).mean().backward()
