@@ -32,7 +32,7 @@ def check_switch(state: HookState) -> Callable[[bool], None]:
     """``switch(on)``: attach or detach the state's unseen-use check (its object and its two
     callbacks), as ``add_hooks(check_unseen=True / False)`` would have left the state."""
     check = state.unseen
-    callbacks = [(state.on_clear, check.reset), (state.on_backward, check.due)]
+    callbacks = [(state.listeners.on_clear, check.reset), (state.listeners.on_backward, check.due)]
 
     def switch(on: bool) -> None:
         state.unseen = check if on else None

@@ -196,7 +196,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     # followed modules are recorded even when frozen: their code may use a child's weight
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
-                      lambda module, call: rules[module].batch_size(module, call))
+                      lambda module, call: rules[module].batch_size(module, call), broadcast)
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
         watching = rule.watch(module, modules[module][1], state.capturing)
         if watching is not None:
@@ -205,7 +205,6 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)
-    state.broadcast = broadcast
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
 

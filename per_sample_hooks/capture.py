@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -29,7 +30,7 @@ class Call:
     (leaves in ``torch.utils._pytree`` order). Batch dims are as the module saw them;
     :meth:`activation` and :meth:`backprop` move the batch dim to the front.
 
-    ``per_sample``: set (by whoever :attr:`HookState.on_gradient` calls) when the call's
+    ``per_sample``: set (by whoever :attr:`Listeners.on_gradient` calls) when the call's
     per-sample gradients were formed as its output gradient arrived; its inputs and output
     gradient are then dropped (``args`` empty, ``grads`` emptied in place).
 
@@ -180,10 +181,10 @@ def _inside_torch_func(compiling: bool) -> bool:
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
                      call: tuple[nn.Module, Call] | None = None) -> list[Callable]:
     """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); on the
-    step's first arrival set ``owner.backward_seen`` and call each of ``owner.on_backward``;
-    for a call's output (``call``: ``(module, record)``), call
-    ``owner.on_gradient(module, record)`` when one arrives (if set then). Returns the hooks
-    registered (autograd's graph holds them, nothing else does: see :attr:`Call.hooks`).
+    step's first arrival set ``owner.status.backward_seen`` and call each of
+    ``owner.listeners.on_backward``; for a call's output (``call``: ``(module, record)``), call
+    ``owner.listeners.on_gradient(module, record)`` when one arrives (if set then). Returns the
+    hooks registered (autograd's graph holds them, nothing else does: see :attr:`Call.hooks`).
 
     A tensor hook on ``leaf`` (not a pre-hook on ``leaf.grad_fn``: it also fires when ``leaf``
     is an ``inputs=`` edge of the backward, as ``dp.OutputEdges`` uses). It sees the
@@ -198,12 +199,12 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     def arrived(grad: Tensor) -> None:
         sink.append(grad)
         if owner is not None:
-            if not owner.backward_seen:
-                owner.backward_seen = True
-                for notify in owner.on_backward:
+            if not owner.status.backward_seen:
+                owner.status.backward_seen = True
+                for notify in owner.listeners.on_backward:
                     notify()
-            if call is not None and owner.on_gradient is not None:
-                owner.on_gradient(*call)
+            if call is not None and owner.listeners.on_gradient is not None:
+                owner.listeners.on_gradient(*call)
 
     base = gradient_tensor(leaf)
     if base is leaf:  # the hook itself: one frame per arrival
@@ -338,18 +339,46 @@ class Buffers:
         self._scratch.clear()
 
 
+@dataclass
+class StepStatus:
+    """Where the current step stands; a fresh one for each step (:meth:`HookState.clear`)."""
+    consumed: bool = False  # a compute_* call ended the step: the next forward starts anew
+    backward_seen: bool = False  # a captured output received a gradient in this step
+    forward_after_backward: str | None = None  # first module called after a backward
+    released_by: str | None = None  # the call that dropped this step's records
+    batch: int | None = None  # the first batch size > 1 captured in this step
+
+
+@dataclass
+class Listeners:
+    """Add-ons' callbacks; each add-on subscribes (and unsubscribes) its own."""
+    # per-step state of add-ons to reset when a step's records are cleared
+    on_clear: list[Callable[[], None]] = field(default_factory=list)
+    # called when the step's first captured gradient arrives (its forward is over), before
+    # autograd reaches any parameter whose uses all went through captured tensors
+    on_backward: list[Callable[[], None]] = field(default_factory=list)
+    # told each tensor whose gradient is captured (a call's outputs, watched tensors)
+    on_capture: list[Callable[[Tensor], None]] = field(default_factory=list)
+    # called as on_gradient(module, call) after a gradient of a call's output is captured
+    # (set for the length of a backward)
+    on_gradient: Callable[[nn.Module, Call], None] | None = None
+
+
 class HookState:
     """All capture state of one hooked model. Returned by ``add_hooks``; a context manager.
 
-    ``modules``: module -> (qualified name, batch dim); ``rules``: module -> its rule (opaque
-    here); ``units``: modules whose parameters include their children's and whose outputs are
-    returned as copies, so that a unit's captured gradient is the one from outside it only;
-    ``observed``: modules captured even when none of their parameters is trainable (the others
-    capture nothing then: a frozen layer holds no input or output gradient); ``batch_of``:
-    ``(module, call) -> batch size`` of a call (raises when it cannot tell).
-    Written outside this file: ``enabled`` (pausing capture), ``unseen``, ``sharded_of`` and
-    ``broadcast`` (set once by ``add_hooks``), ``on_gradient``, ``on_clear``, ``on_backward``,
-    ``watchers`` and ``on_capture`` (add-ons' callbacks).
+    Set once by ``add_hooks``: ``modules``: module -> (qualified name, batch dim); ``rules``:
+    module -> its rule (opaque here); ``units``: modules whose parameters include their
+    children's and whose outputs are returned as copies, so that a unit's captured gradient is
+    the one from outside it only; ``observed``: modules captured even when none of their
+    parameters is trainable (the others capture nothing then: a frozen layer holds no input or
+    output gradient); ``batch_of``: ``(module, call) -> batch size`` of a call (raises when it
+    cannot tell); ``broadcast`` (below); ``watchers``: ``module -> watcher()``, giving, as a
+    call of ``module`` is recorded, tensors of its forward whose gradients are captured too
+    (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`); ``unseen`` (the
+    unseen-use check, opaque here).
+    Changing: ``calls`` and ``status`` (this step's), ``storage`` (buffers), ``enabled``
+    (pausing capture), ``listeners`` (add-ons' callbacks) and ``sharded_of`` (FSDP2).
 
     Inputs broadcast over the batch (``broadcast``): a call with batch size 1 in a step whose
     earlier calls saw a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared
@@ -362,44 +391,29 @@ class HookState:
                  rules: dict[nn.Module, Any], units: set[nn.Module],
                  observed: set[nn.Module] = frozenset(),
                  batch_of: Callable[[nn.Module, Call], int] = lambda module, call:
-                 call.batch_size):
+                 call.batch_size, broadcast: bool = True):
         self._model_ref = weakref.ref(model)
         self.modules = modules
         self.rules = rules
         self.units = units
         self.observed = observed
         self.batch_of = batch_of
+        self.broadcast = broadcast  # expand calls of batch 1 to the step's batch
+        self.watchers: dict[nn.Module, Callable[[], tuple[list[Tensor], object]]] = {}
+        self.unseen: Any = None
         self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
+        self.status = StepStatus()
         self.storage = Buffers()
         self.enabled = True
-        self.unseen: Any = None  # the unseen-use check; opaque to capture
+        self.listeners = Listeners()
         # during a compute_* call that gives the modules whose rules read parameter values their
         # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
         self.sharded_of: dict[int, Tensor] | None = None
-        self.broadcast = True  # expand calls of batch 1 to the step's batch
-        # step status, changed through end_step / release_records / the hooks
-        self.consumed = False  # a compute_* call ended the step: the next forward starts anew
-        self.backward_seen = False  # a captured output received a gradient in this step
-        self.forward_after_backward: str | None = None  # first module called after a backward
-        self.released_by: str | None = None  # the call that dropped this step's records
-        self.step_batch: int | None = None  # the first batch size > 1 captured in this step
         self.handles: list[Any] = []
         # how many captured hooks autograd freed since the last drop_unreachable (a weakref
         # callback counts them: the records are scanned only after some graph went away)
         self._graphs_freed = [0]
         self._on_graph_freed = partial(_count_freed, self._graphs_freed)
-        self.on_clear: list[Callable[[], None]] = []  # per-step state of add-ons to reset
-        # called when the step's first captured gradient arrives (its forward is over), before
-        # autograd reaches any parameter whose uses all went through captured tensors
-        self.on_backward: list[Callable[[], None]] = []
-        # called as on_gradient(module, call) after a gradient of a call's output is captured
-        # (set for the length of a backward by an add-on)
-        self.on_gradient: Callable[[nn.Module, Call], None] | None = None
-        # watchers[module]() gives, as a call of ``module`` is recorded, tensors of its forward
-        # whose gradients are captured too (Call.watched) and a note on the call (Call.note)
-        self.watchers: dict[nn.Module, Callable[[], tuple[list[Tensor], object]]] = {}
-        # told each tensor whose gradient is captured (a call's outputs, watched tensors)
-        self.on_capture: list[Callable[[Tensor], None]] = []
         for module in modules:
             self.handles.append(module.register_forward_hook(ForwardHook(self, module),
                                                              with_kwargs=True))
@@ -435,19 +449,21 @@ class HookState:
                 leaves = [_isolated(t) for t in leaves]
                 output = tree_unflatten(leaves, spec)
         name, batch_dim = self.modules[owner]
-        if self.consumed:
+        status = self.status
+        if status.consumed:
             self.clear()
-        elif self.backward_seen and self.forward_after_backward is None:
-            self.forward_after_backward = name  # a second micro-batch: refused by compute_*
+            status = self.status
+        elif status.backward_seen and status.forward_after_backward is None:
+            status.forward_after_backward = name  # a second micro-batch: refused by compute_*
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
-        if self.step_batch is None:
+        if status.batch is None:
             batch = self._batch_or_none(owner, call)
             if batch is not None and batch > 1:
-                self.step_batch = batch
+                status.batch = batch
         elif self.broadcast and isinstance(output, Tensor) and output.dim() > batch_dim \
                 and output.shape[batch_dim] == 1 and self._batch_or_none(owner, call) == 1:
-            expand = partial(_to_batch, dim=batch_dim, batch=self.step_batch)
+            expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
             output = expand(output)
             leaves = (output,)
             call.args, call.kwargs = map_tensors(expand, (args, kwargs))
@@ -455,7 +471,7 @@ class HookState:
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
                 hooks += capture_gradient(leaf, grads, self, (owner, call))
-                for notify in self.on_capture:
+                for notify in self.listeners.on_capture:
                     notify(leaf)
         watcher = self.watchers.get(owner) if self.watchers else None
         if watcher is not None:
@@ -463,7 +479,7 @@ class HookState:
             for tensor in tensors:
                 call.watched.append([])
                 hooks += capture_gradient(tensor, call.watched[-1], self)
-                for notify in self.on_capture:
+                for notify in self.listeners.on_capture:
                     notify(tensor)
         if not compiling:
             freed = self._on_graph_freed
@@ -511,13 +527,9 @@ class HookState:
         for calls in self.calls.values():
             calls.clear()
         self.storage.end_step()
-        for reset in self.on_clear:
+        for reset in self.listeners.on_clear:
             reset()
-        self.consumed = False
-        self.backward_seen = False
-        self.forward_after_backward = None
-        self.released_by = None
-        self.step_batch = None
+        self.status = StepStatus()
 
     def remove(self) -> None:
         """Remove every hook, captured tensor, buffer and ``grad1``/``hess`` attribute."""
@@ -546,11 +558,11 @@ class HookState:
     def end_step(self) -> None:
         """This step is over (computed, or refused after its backward): the next forward
         starts a new one."""
-        self.consumed = True
+        self.status.consumed = True
 
     def release_records(self, by: str) -> None:
         """Mark this step's records as dropped by ``by`` (read again: refused, naming it)."""
-        self.released_by = by
+        self.status.released_by = by
 
     @contextmanager
     def paused(self) -> Iterator[None]:

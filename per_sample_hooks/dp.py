@@ -464,7 +464,7 @@ class DPSGD:
     def _backward_pending(self) -> bool:
         """A backward since the last clipping (or a step that began without one)."""
         state = get_state(self.model)
-        return state.backward_seen and not state.consumed
+        return state.status.backward_seen and not state.status.consumed
 
     @torch.no_grad()
     def accumulate(self, empty_batch: bool | None = None, groups: Tensor | int | None = None

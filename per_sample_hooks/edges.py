@@ -65,8 +65,8 @@ class OutputEdges:
         self._state = state
         self._most_used = 0  # the most edges one backward (or take) used
         self._warned = False
-        state.on_clear.append(self.clear)  # a new step: the last one's edges are stale
-        state.on_capture.append(self._record)
+        state.listeners.on_clear.append(self.clear)  # a new step: the last one's edges are stale
+        state.listeners.on_capture.append(self._record)
 
     def __getstate__(self) -> dict:
         """A copy (pickling or ``copy.deepcopy`` of a model whose state holds this object) has
@@ -105,11 +105,11 @@ class OutputEdges:
             loss.backward()
             return
         if self.form_on_arrival:
-            self._state.on_gradient = partial(form_on_arrival, self._state)
+            self._state.listeners.on_gradient = partial(form_on_arrival, self._state)
         try:
             torch.autograd.backward(loss, inputs=edges)
         finally:
-            self._state.on_gradient = None
+            self._state.listeners.on_gradient = None
 
     def take(self) -> list[Any]:
         """The edges recorded since the last backward, forgotten here (for a backward of the
@@ -131,10 +131,10 @@ class OutputEdges:
     def remove(self) -> None:
         """Stop recording edges (the capture hooks stay)."""
         if self._state is not None:
-            if self.clear in self._state.on_clear:
-                self._state.on_clear.remove(self.clear)
-            if self._record in self._state.on_capture:
-                self._state.on_capture.remove(self._record)
+            if self.clear in self._state.listeners.on_clear:
+                self._state.listeners.on_clear.remove(self.clear)
+            if self._record in self._state.listeners.on_capture:
+                self._state.listeners.on_capture.remove(self._record)
         self.edges = []
 
 

@@ -101,7 +101,7 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
         return _prepare_step(model, loss_type, caller)
     except Exception:
         state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
-        if state is not None and state.backward_seen:
+        if state is not None and state.status.backward_seen:
             state.end_step()
         raise
 
@@ -112,17 +112,18 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)
     swap_in_full_values(state)  # FSDP2, in a call that gathers them (every rank, collective)
-    if state.forward_after_backward is not None:
+    status = state.status
+    if status.forward_after_backward is not None:
         state.end_step()  # this step is lost; the next forward starts a new one
         raise PerSampleHooksError(
-            f"{caller}: '{state.forward_after_backward}' ran a forward pass after a backward "
+            f"{caller}: '{status.forward_after_backward}' ran a forward pass after a backward "
             "pass of the same step (several forward+backward passes, e.g. gradient "
             "accumulation): the rows of different micro-batches would be added sample by "
             f"sample. Call {caller} after each backward (clone the results to keep them), or "
             "clear_backprops(model) before each micro-batch you do not need")
-    if state.released_by is not None:
+    if status.released_by is not None:
         raise PerSampleHooksError(
-            f"{caller}: {state.released_by} dropped this step's captured tensors; run a new "
+            f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "
             "forward and backward (or leave release_records=False to read them again)")
     layers, sizes, rules = [], {}, state.rules
     for module, name, calls in state.hooked_calls():
@@ -193,8 +194,8 @@ with their records, so more of them serve ``compute_kfac``."""
 def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     """Form ``call``'s per-sample gradients now, as captured, into step-scoped buffers, and drop
     its input and output gradient, when those hold :data:`FORM_RATIO` times as many numbers
-    (LayerNorm; Linear and convolutions on many positions): set as
-    :attr:`HookState.on_gradient` during a backward that only clipping or norms will read.
+    (LayerNorm; Linear and convolutions on many positions): set as ``state.listeners.on_gradient``
+    during a backward that only clipping or norms will read.
 
     Only the plain case is formed: the module's only call of the step, one output, its first
     backward pass, inputs unchanged, not a unit (the torch.func fallback, attention), no

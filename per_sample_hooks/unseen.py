@@ -149,7 +149,7 @@ def captured_structure(state: HookState) -> tuple:
     """Which hooked modules were called this step (in the order of ``state.calls``), how many
     times, and the step's batch size (the first above 1 a call had: a step whose calls
     disagree is refused before it is compared). Asked every step: no per-call work."""
-    return state.step_batch, tuple(map(len, state.calls.values()))
+    return state.status.batch, tuple(map(len, state.calls.values()))
 
 
 class UnseenUseCheck:
@@ -188,8 +188,8 @@ class UnseenUseCheck:
         self._versions: list[int | None] | None = None  # their versions (None: no .grad)
         self.changed_early: list[int] = []  # keys of gradients changed in place before arming
         self._sampled = False  # this step is checked if its structure was (drawn at its start)
-        state.on_clear.append(self.reset)
-        state.on_backward.append(self.due)
+        state.listeners.on_clear.append(self.reset)
+        state.listeners.on_backward.append(self.due)
         self._start()
 
     def reset(self) -> None:
@@ -234,7 +234,7 @@ class UnseenUseCheck:
 
     def due(self) -> bool:
         """Whether this step is checked. Asked by consumers before their backward and, through
-        ``HookState.on_backward``, when the step's first captured gradient arrives: the
+        ``Listeners.on_backward``, when the step's first captured gradient arrives: the
         forward is over, so the structure is known. The first ask of a step decides (a step
         drawn at its start, or of a structure not checked yet), and on a checked step arms the
         check (:meth:`_arm`)."""

@@ -299,7 +299,7 @@ def test_output_edges_of_a_copied_model():
     model(x)  # the next step's first forward starts afresh
     assert len(edges.edges) == 2
     edges.remove()
-    assert edges.clear not in psh.capture.get_state(model).on_clear
+    assert edges.clear not in psh.capture.get_state(model).listeners.on_clear
 
 
 def test_dp_backward_matches_loss_backward():

@@ -135,9 +135,9 @@ def test_another_pass_after_forming_is_refused():
     model, inputs = make_case(3, 6, 4)
     state = psh.add_hooks(model)
     loss = loss_fn(model(*inputs)).mean()
-    state.on_gradient = lambda module, call: form_on_arrival(state, module, call)
+    state.listeners.on_gradient = lambda module, call: form_on_arrival(state, module, call)
     loss.backward(retain_graph=True)
-    state.on_gradient = None
+    state.listeners.on_gradient = None
     loss.backward()
     with pytest.raises(PerSampleHooksError, match="another gradient"):
         psh.compute_norms(model)
