@@ -308,6 +308,15 @@ class _Forward:
 
     def apply(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         inputs = _leaves(args, kwargs, Tensor)
+        if any(id(t) in self.uses.descendants for t in inputs):
+            # a descendant's parameter: refused only where a gradient can flow back from the
+            # result (not a read of its dtype or shape, not a detach)
+            out = func(*args, **kwargs)
+            if any(o.requires_grad for o in _outputs(out)):
+                self.check_inputs(inputs, f"`{_name(func)}`")
+            elif any(id(t) in self.batched for t in inputs):
+                self.batched.update((id(o), o) for o in _outputs(out))
+            return out
         self.check_inputs(inputs, f"`{_name(func)}`")
         tracked = list({id(t): t for t in inputs if id(t) in self.tracked}.values())
         batched = any(id(t) in self.batched for t in inputs)

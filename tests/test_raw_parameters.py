@@ -241,6 +241,22 @@ class LayerNormCall(HandNorm):
         return super().forward(x, layer=True)
 
 
+class ReadsChildMetadata(nn.Module):
+    """CLIPVisionEmbeddings' pattern: the child's weight read for its dtype and shape, and a
+    detached copy of it: none of them a use that a gradient flows back through."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.gamma = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.lin.weight
+        h = self.lin(x.to(dtype=weight.dtype))
+        assert h.shape[-1] == weight.shape[0] == weight.size(0) and weight.dim() == 2
+        return torch.tanh(h * self.gamma + weight.detach().sum())
+
+
 LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
           "custom_linear": lambda: nn.Sequential(CustomLinear(3, 4), nn.Tanh(),
                                                  CustomLinear(4, 2, bias=False)),
@@ -267,6 +283,7 @@ CASES = {
                lambda b: [torch.randn(b, 2, 3)]),
     "linear_uses": (LinearUses, lambda b: [torch.randn(b, 2, 3)]),
     "matmul_uses": (MatmulUses, lambda b: [torch.randn(b, 2, 3)]),
+    "reads_child_metadata": (ReadsChildMetadata, lambda b: [torch.randn(b, 2, 3)]),
 }
 
 

@@ -51,6 +51,18 @@ def vit() -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
+def clip_vision() -> nn.Module:
+    """CLIP's vision tower: its embeddings read ``patch_embedding.weight.dtype`` in their
+    forward (a read, not a use) and own a raw class token."""
+    vision = transformers.CLIPVisionConfig(hidden_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=32,
+                                           image_size=8, patch_size=4, attention_dropout=0)
+    config = transformers.CLIPConfig(vision_config=vision.to_dict(), num_labels=3)
+    model = transformers.CLIPForImageClassification(config)
+    model.vision_model.post_layernorm.requires_grad_(False)  # unused: the head pools before it
+    return model
+
+
 def gpt2_lora() -> nn.Module:
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
@@ -82,6 +94,7 @@ def image_batch(generator: torch.Generator) -> dict[str, Tensor]:
 
 MODELS = {"gpt2": (gpt2, causal_lm_batch), "bert": (bert, classification_batch),
           "llama": (llama, causal_lm_batch), "vit": (vit, image_batch),
+          "clip-vision": (clip_vision, image_batch),
           "gpt2-lora": (gpt2_lora, causal_lm_batch)}
 
 
