@@ -277,6 +277,10 @@ def detach_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _carries_gradient(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(t, Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
+
+
 def _to_batch(t: object, dim: int, batch: int) -> object:
     """``t`` expanded (a view) to ``batch`` along ``dim`` when it has size 1 there."""
     if not isinstance(t, Tensor) or t.dim() <= dim or t.shape[dim] != 1:
@@ -347,6 +351,8 @@ class StepStatus:
     forward_after_backward: str | None = None  # first module called after a backward
     released_by: str | None = None  # the call that dropped this step's records
     batch: int | None = None  # the first batch size > 1 captured in this step
+    # the first module called with batch size 1, on an input with a gradient, after a batch
+    shared_computation: str | None = None
 
 
 @dataclass
@@ -384,7 +390,9 @@ class HookState:
     earlier calls saw a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared
     query), with one tensor output, has its output returned expanded to the batch (a view: the
     same values wherever it is broadcast against the batch) and its inputs recorded expanded,
-    so that the gradient reaching the output is per sample and the call is one of ``B``.
+    so that the gradient reaching the output is per sample and the call is one of ``B``. Not
+    when an input has a gradient (DeBERTa's relative embeddings): what made it is shared by
+    the samples too, and the model may rely on the size 1; the step is refused, naming it.
     """
 
     def __init__(self, model: nn.Module, modules: dict[nn.Module, tuple[str, int]],
@@ -455,6 +463,7 @@ class HookState:
             status = self.status
         elif status.backward_seen and status.forward_after_backward is None:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
+        given = (args, kwargs)
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         if status.batch is None:
@@ -463,10 +472,16 @@ class HookState:
                 status.batch = batch
         elif self.broadcast and isinstance(output, Tensor) and output.dim() > batch_dim \
                 and output.shape[batch_dim] == 1 and self._batch_or_none(owner, call) == 1:
-            expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
-            output = expand(output)
-            leaves = (output,)
-            call.args, call.kwargs = map_tensors(expand, (args, kwargs))
+            if _carries_gradient(*given):
+                # computed from trainable parameters: shared by the samples before this call
+                # too, and the model's code may rely on its size 1 (DeBERTa repeats it by B):
+                # left as it is, refused by compute_*
+                status.shared_computation = status.shared_computation or name
+            else:
+                expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
+                output = expand(output)
+                leaves = (output,)
+                call.args, call.kwargs = map_tensors(expand, (args, kwargs))
         hooks = []
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:

@@ -168,6 +168,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "cleared. Run the forward pass with grad enabled and loss.backward() first")
     if len(sizes) > 1:
         seen = ", ".join(f"{size} (at '{name}')" for size, name in sizes.items())
+        shared = status.shared_computation
+        if shared is not None:
+            raise PerSampleHooksError(
+                f"{caller}: captured calls disagree on the batch size: {seen}. '{shared}' was "
+                "called with batch size 1 on an input computed from trainable parameters "
+                "(relative position embeddings, a learned query): that computation is shared "
+                "by the samples, and its per-sample gradients need it run per sample. Make a "
+                "module that contains it and the ops that meet its output with the batch (an "
+                "encoder, a transformer block) one unit of the torch.func fallback: "
+                "add_hooks(model, units=[...]); or freeze the parameters it is computed from")
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "

@@ -115,3 +115,37 @@ def test_broadcast_off_refuses_the_call():
     with pytest.raises(psh.PerSampleHooksError, match="disagree on the batch size"):
         psh.compute_grad1(model)
     psh.remove_hooks(model)
+
+
+class ComputedQuery(nn.Module):
+    """DeBERTa's pattern: a Linear called with batch 1 on a query computed from a trainable
+    table, its output repeated over the batch by the model's own code (which an output expanded
+    to the batch would break)."""
+
+    def __init__(self, dim=4, k=2):
+        super().__init__()
+        self.table = nn.Embedding(k, dim)
+        self.query_proj, self.key_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):  # x [B, T, d]
+        table = self.table(torch.arange(self.table.num_embeddings)[None])  # before the batch
+        keys = self.key_proj(x)
+        query = self.query_proj(table).repeat(x.shape[0], 1, 1)  # [B, k, d]
+        return (query @ keys.transpose(1, 2)).softmax(-1) @ x
+
+
+def test_a_batch_one_call_on_an_input_with_a_gradient_is_left_and_refused():
+    """Not expanded (the forward runs as without hooks); refused by compute_* naming the call
+    and units=; exact as one unit."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(ComputedQuery()).double(), torch.randn(5, 3, 4, dtype=torch.double)
+    expected = model(x)
+    with psh.add_hooks(model):
+        out = model(x)
+        torch.testing.assert_close(out, expected)
+        weighted_square(out).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError,
+                           match="'0.query_proj' was called with batch size 1 on an input "
+                                 "computed from trainable parameters.*units="):
+            psh.compute_grad1(model)
+    assert_matches_loop(model, [x], units=["0"])

@@ -231,6 +231,43 @@ def loop_grads_at(model: nn.Module, batch: dict[str, Tensor], values: dict[str, 
     return loop_grads(twin, batch)
 
 
+def deberta_v2() -> nn.Module:
+    config = transformers.DebertaV2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=VOCAB, max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0, pooler_dropout=0, relative_attention=True,
+        position_buckets=4, max_relative_positions=8, pos_att_type=["p2c", "c2p"])
+    return transformers.DebertaV2ForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_deberta_relative_embeddings_are_refused_and_exact_as_a_unit(dtype) -> None:
+    """DeBERTa-v2 projects its relative embeddings (computed from a trainable table) with batch
+    1 and repeats them over the batch itself: the hooked forward runs unchanged, compute_*
+    refuses naming the projection and ``units=``, and the encoder as one unit is exact."""
+    torch.manual_seed(0)
+    model = deberta_v2().to(dtype).train()
+    batch = classification_batch(seeded(1))
+    plain = loss_of(model, batch)
+    try:
+        psh.add_hooks(model)
+        loss = loss_of(model, batch)
+        torch.testing.assert_close(loss, plain)
+        loss.backward()
+        with pytest.raises(psh.PerSampleHooksError, match="'deberta.encoder.layer.0.attention."
+                           "self.pos_key_proj' was called with batch size 1 .*units="):
+            psh.compute_grad1(model)
+        psh.remove_hooks(model)
+        psh.add_hooks(model, units=[model.deberta.encoder])
+        model.zero_grad(set_to_none=True)
+        loss_of(model, batch).backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        psh.remove_hooks(model)
+    assert_rows_close(got, loop_grads(model, batch), dtype, "deberta-v2")
+
+
 def test_frozen_modules_capture_nothing() -> None:
     """Under LoRA the frozen layers (lm_head, the base projections, embeddings) hold no input or
     output gradient after the backward: only modules with a trainable parameter are recorded."""
