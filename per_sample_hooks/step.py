@@ -178,6 +178,9 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                 "module that contains it and the ops that meet its output with the batch (an "
                 "encoder, a transformer block) one unit of the torch.func fallback: "
                 "add_hooks(model, units=[...]); or freeze the parameters it is computed from")
+        step_batch = status.batch or 0
+        merged = next((name for size, name in sizes.items()
+                       if step_batch > 1 and size > step_batch and size % step_batch == 0), None)
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
@@ -185,7 +188,13 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "ids) is handled when called with batch size 1 after some module saw the batch, "
             "`pos_emb(torch.arange(T)[None])`; called without the batch dim, "
             "`pos_emb(torch.arange(T))`, or before any module saw the batch, it mixes the "
-            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`")
+            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`"
+            + ("" if merged is None else
+               f". '{merged}' saw a multiple of the batch {step_batch}: samples merged into "
+               "its batch dim (`x.view(B * T, H)`, windows or patches folded into the batch) "
+               "are told apart only by the module that merges them: make that module one "
+               "unit of the torch.func fallback, add_hooks(model, units=[...]) (a decoder "
+               "layer, a transformer block)"))
     batch_size = next(iter(sizes))
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()

@@ -466,3 +466,29 @@ def test_packed_sequence_in_unit_refused():
             psh.compute_grad1(model)
     finally:
         psh.remove_hooks(model)
+
+
+def test_a_unit_that_branches_on_values_is_refused_with_the_cause():
+    """``if x.sum() > 0`` in a unit's forward cannot be vmapped: refused naming the unit, the
+    error and what to do, not torch's bare RuntimeError; the next step is clean."""
+
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+    model = nn.Sequential(Branches(), nn.Linear(3, 2)).double()
+    x = torch.randn(4, 3, dtype=torch.double).abs()
+    psh.add_hooks(model, units=["0"])
+    try:
+        model(x).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"Branches, a unit of the torch.func "
+                           r"fallback, could not be re-run .*RuntimeError.*\.item\(\)"):
+            psh.compute_grad1(model)
+        psh.remove_hooks(model)
+        assert_matches_loop(model, [x], loss_fn=lambda out: out.sum(1))  # its Linear's rule
+    finally:
+        psh.remove_hooks(model)

@@ -268,6 +268,50 @@ def test_deberta_relative_embeddings_are_refused_and_exact_as_a_unit(dtype) -> N
     assert_rows_close(got, loop_grads(model, batch), dtype, "deberta-v2")
 
 
+def opt() -> nn.Module:
+    """OPT flattens ``[B, T, H]`` to ``[B * T, H]`` before its MLP: its decoder layers are
+    units of the fallback."""
+    config = transformers.OPTConfig(hidden_size=16, num_hidden_layers=2, ffn_dim=32,
+                                    num_attention_heads=2, word_embed_proj_dim=16,
+                                    max_position_embeddings=16, vocab_size=VOCAB, dropout=0,
+                                    attention_dropout=0, pad_token_id=1)
+    return transformers.OPTForCausalLM(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_opt_refusals_name_the_fix_and_its_layers_as_units_are_exact(dtype) -> None:
+    """OPT's ``fc1`` sees ``B * T`` rows: refused naming it and ``units=``. A unit of the
+    fallback called with transformers' cache (``use_cache=True``, the default) is refused
+    before its re-run extends the cache; with ``use_cache=False`` the layers as units are
+    exact."""
+    torch.manual_seed(0)
+    model = opt().to(dtype).train()
+    batch = causal_lm_batch(seeded(1))
+    layers = list(model.model.decoder.layers)
+    try:
+        psh.add_hooks(model)
+        loss_of(model, batch).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'model.decoder.layers.0.fc1' saw a "
+                           r"multiple of the batch 3: .*units="):
+            psh.compute_grad1(model)
+        psh.remove_hooks(model)
+        model.zero_grad(set_to_none=True)
+        psh.add_hooks(model, units=layers)
+        loss_of(model, batch).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'model.decoder.layers.0' "
+                           r"\(OPTDecoderLayer\) .*key/value cache \(DynamicCache, argument "
+                           r"'past_key_values'\).*use_cache=False"):
+            psh.compute_grad1(model)
+        model.config.use_cache = False
+        model.zero_grad(set_to_none=True)
+        loss_of(model, batch).backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        psh.remove_hooks(model)
+    assert_rows_close(got, loop_grads(model, batch), dtype, "opt")
+
+
 def test_frozen_modules_capture_nothing() -> None:
     """Under LoRA the frozen layers (lm_head, the base projections, embeddings) hold no input or
     output gradient after the backward: only modules with a trainable parameter are recorded."""

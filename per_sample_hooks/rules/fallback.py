@@ -199,6 +199,13 @@ def _random_modules(module: nn.Module) -> list[str]:
     return found
 
 
+def _is_cache(value: object) -> bool:
+    """Whether ``value`` is a transformers key/value cache (``transformers.cache_utils.Cache``,
+    told by its classes' names and module, transformers is not imported)."""
+    return any(klass.__name__ == "Cache" and klass.__module__.startswith("transformers")
+               for klass in type(value).__mro__)
+
+
 def _batched_initial_state(module: nn.RNNBase, args: tuple, kwargs: dict
                            ) -> tuple[tuple, dict] | None:
     """Forward pre-hook on the recurrent layers of a fallback unit during the re-run: give each
@@ -236,6 +243,15 @@ class FallbackRule(Rule):
         return _lookup_layout(module)(module, call).batch_size
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        for call in calls:
+            for argument, value in [*enumerate(call.args), *call.kwargs.items()]:
+                if _is_cache(value):
+                    raise PerSampleHooksError(
+                        f"'{name}' ({type(module).__name__}) is handled by the torch.func "
+                        "fallback, which re-runs its forward; it was called with a key/value "
+                        f"cache ({type(value).__name__}, argument {argument!r}) that its "
+                        "forward extends: the re-run would read and extend it again. Call the "
+                        "model with use_cache=False for training steps")
         if any(call.training for call in calls):
             random = _random_modules(module)
             if random:
@@ -274,7 +290,10 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                 f"{type(module).__name__}: output {j} received a gradient without a batch dim "
                 f"of size {layout.batch_size} (shape {tuple(passes[0].shape)}); per-sample "
                 "gradients need every output that reaches the loss to be batched. Pass "
-                "batch_dim to add_hooks for this module if its batch is not dimension 0")
+                "batch_dim to add_hooks for this module if its batch is not dimension 0. An "
+                "output of size 1 there is shared by the samples (learned positions computed "
+                "from position ids [1, T], not from the batched input): give the module "
+                "position ids [B, T] if it takes them, or freeze its parameters")
         grad = summed_passes(passes)
         cotangents.append(grad * scale if scale != 1 else grad)
         out_specs.append(spec)
@@ -318,17 +337,25 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         with torch.enable_grad():
             return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
                                                                                 cotangents)
-    except RuntimeError as error:
-        if not recurrent or isinstance(error, PerSampleHooksError):
+    except (RuntimeError, ValueError, TypeError) as error:
+        if isinstance(error, PerSampleHooksError):
             raise
-        layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
+        if recurrent:
+            layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
+            raise PerSampleHooksError(
+                f"{type(module).__name__}, a unit of the torch.func fallback with recurrent "
+                f"layers {layers}, could not be re-run per sample under torch.func.vmap "
+                f"({error}). Packed sequences (pack_padded_sequence: lengths that differ by "
+                "sample) cannot be vmapped. Let the recurrent layers have their own rule "
+                "(exact, packed sequences included): do not make the module that calls them a "
+                "unit (units=), or move them out of it") from error
         raise PerSampleHooksError(
-            f"{type(module).__name__}, a unit of the torch.func fallback with recurrent layers "
-            f"{layers}, could not be re-run per sample under torch.func.vmap ({error}). "
-            "Packed sequences (pack_padded_sequence: lengths that differ by sample) cannot be "
-            "vmapped. Let the recurrent layers have their own rule (exact, packed sequences "
-            "included): do not make the module that calls them a unit (units=), or move them "
-            "out of it") from error
+            f"{type(module).__name__}, a unit of the torch.func fallback, could not be re-run "
+            f"per sample under torch.func.vmap ({type(error).__name__}: {error}). A forward "
+            "that branches on tensor values (`.item()`, `if mask.any():`, as attention-mask "
+            "builders do) cannot be vmapped: make smaller modules units (units=), ones whose "
+            "forward has no such branch, or give the branch's input from outside (e.g. an "
+            "attention mask built before the call)") from error
     finally:
         for handle in handles:
             handle.remove()
