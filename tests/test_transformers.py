@@ -231,6 +231,14 @@ def loop_grads_at(model: nn.Module, batch: dict[str, Tensor], values: dict[str, 
     return loop_grads(twin, batch)
 
 
+def grad1_rows(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """One step of the hooked ``model``: the ``grad1`` of each trainable parameter."""
+    model.zero_grad(set_to_none=True)
+    loss_of(model, batch).backward()
+    psh.compute_grad1(model)
+    return {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def deberta_v2() -> nn.Module:
     config = transformers.DebertaV2Config(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
@@ -259,10 +267,7 @@ def test_deberta_relative_embeddings_are_refused_and_exact_as_a_unit(dtype) -> N
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         psh.add_hooks(model, units=[model.deberta.encoder])
-        model.zero_grad(set_to_none=True)
-        loss_of(model, batch).backward()
-        psh.compute_grad1(model)
-        got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+        got = grad1_rows(model, batch)
     finally:
         psh.remove_hooks(model)
     assert_rows_close(got, loop_grads(model, batch), dtype, "deberta-v2")
@@ -303,10 +308,7 @@ def test_opt_refusals_name_the_fix_and_its_layers_as_units_are_exact(dtype) -> N
                            r"'past_key_values'\).*use_cache=False"):
             psh.compute_grad1(model)
         model.config.use_cache = False
-        model.zero_grad(set_to_none=True)
-        loss_of(model, batch).backward()
-        psh.compute_grad1(model)
-        got = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+        got = grad1_rows(model, batch)
     finally:
         psh.remove_hooks(model)
     assert_rows_close(got, loop_grads(model, batch), dtype, "opt")
