@@ -6,7 +6,7 @@ output-edge backward; no noise) and the curvature diagonal that ``compute_kfac``
 layers without Kronecker factors (normalization layers, raw parameters: against the loop's
 ``(1/B) sum_b g_b^2``). README's table of real models comes from it::
 
-    python -m benchmarks.hf_errors [gpt2 bert llama vit gpt2-lora]
+    python -m benchmarks.hf_errors [gpt2 bert llama vit clip-vision gpt2-lora]
 """
 from __future__ import annotations
 
