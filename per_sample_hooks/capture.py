@@ -463,7 +463,7 @@ class HookState:
             status = self.status
         elif status.backward_seen and status.forward_after_backward is None:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
-        given = (args, kwargs)
+        given_args, given_kwargs = args, kwargs
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         if status.batch is None:
@@ -472,7 +472,7 @@ class HookState:
                 status.batch = batch
         elif self.broadcast and isinstance(output, Tensor) and output.dim() > batch_dim \
                 and output.shape[batch_dim] == 1 and self._batch_or_none(owner, call) == 1:
-            if _carries_gradient(*given):
+            if _carries_gradient(given_args, given_kwargs):
                 # computed from trainable parameters: shared by the samples before this call
                 # too, and the model's code may rely on its size 1 (DeBERTa repeats it by B):
                 # left as it is, refused by compute_*

@@ -308,9 +308,9 @@ class _Forward:
 
     def apply(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         inputs = _leaves(args, kwargs, Tensor)
-        if any(id(t) in self.uses.descendants for t in inputs):
-            # a descendant's parameter: refused only where a gradient can flow back from the
-            # result (not a read of its dtype or shape, not a detach)
+        if any(id(t) in self.uses.descendants and t.requires_grad for t in inputs):
+            # a descendant's trainable parameter: refused only where a gradient can flow back
+            # from the result (not a read of its dtype or shape, not a detach)
             out = func(*args, **kwargs)
             if any(o.requires_grad for o in _outputs(out)):
                 self.check_inputs(inputs, f"`{_name(func)}`")

@@ -134,11 +134,12 @@ class ComputedQuery(nn.Module):
         return (query @ keys.transpose(1, 2)).softmax(-1) @ x
 
 
-def test_a_batch_one_call_on_an_input_with_a_gradient_is_left_and_refused():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_batch_one_call_on_an_input_with_a_gradient_is_left_and_refused(dtype):
     """Not expanded (the forward runs as without hooks); refused by compute_* naming the call
-    and units=; exact as one unit."""
+    and units=; exact as one unit, against the float64 loop."""
     torch.manual_seed(0)
-    model, x = nn.Sequential(ComputedQuery()).double(), torch.randn(5, 3, 4, dtype=torch.double)
+    model, x = nn.Sequential(ComputedQuery()).to(dtype), torch.randn(5, 3, 4, dtype=dtype)
     expected = model(x)
     with psh.add_hooks(model):
         out = model(x)
@@ -148,4 +149,13 @@ def test_a_batch_one_call_on_an_input_with_a_gradient_is_left_and_refused():
                            match="'0.query_proj' was called with batch size 1 on an input "
                                  "computed from trainable parameters.*units="):
             psh.compute_grad1(model)
-    assert_matches_loop(model, [x], units=["0"])
+    model.zero_grad(set_to_none=True)
+    with psh.add_hooks(model, units=["0"]):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    truth = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else \
+        dict(rtol=1e-4, atol=1e-6)
+    for n, value in truth.items():
+        torch.testing.assert_close(got[n].double(), value, **tolerance)

@@ -468,7 +468,8 @@ def test_packed_sequence_in_unit_refused():
         psh.remove_hooks(model)
 
 
-def test_a_unit_that_branches_on_values_is_refused_with_the_cause():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_that_branches_on_values_is_refused_with_the_cause(dtype):
     """``if x.sum() > 0`` in a unit's forward cannot be vmapped: refused naming the unit, the
     error and what to do, not torch's bare RuntimeError; the next step is clean."""
 
@@ -480,8 +481,8 @@ def test_a_unit_that_branches_on_values_is_refused_with_the_cause():
         def forward(self, x):
             return self.lin(x) if x.sum() > 0 else -self.lin(x)
 
-    model = nn.Sequential(Branches(), nn.Linear(3, 2)).double()
-    x = torch.randn(4, 3, dtype=torch.double).abs()
+    model = nn.Sequential(Branches(), nn.Linear(3, 2)).to(dtype)
+    x = torch.randn(4, 3, dtype=dtype).abs()
     psh.add_hooks(model, units=["0"])
     try:
         model(x).sum().backward()

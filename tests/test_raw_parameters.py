@@ -257,6 +257,20 @@ class ReadsChildMetadata(nn.Module):
         return torch.tanh(h * self.gamma + weight.detach().sum())
 
 
+class FrozenChildWeightInOwnCode(nn.Module):
+    """A frozen child's weight used in the module's own code (a constant there), next to a
+    raw parameter met with the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.lin.weight.requires_grad_(False)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(F.linear(self.lin(x), self.lin.weight) * self.gamma)
+
+
 LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
           "custom_linear": lambda: nn.Sequential(CustomLinear(3, 4), nn.Tanh(),
                                                  CustomLinear(4, 2, bias=False)),
@@ -284,6 +298,7 @@ CASES = {
     "linear_uses": (LinearUses, lambda b: [torch.randn(b, 2, 3)]),
     "matmul_uses": (MatmulUses, lambda b: [torch.randn(b, 2, 3)]),
     "reads_child_metadata": (ReadsChildMetadata, lambda b: [torch.randn(b, 2, 3)]),
+    "frozen_child_weight": (FrozenChildWeightInOwnCode, lambda b: [torch.randn(b, 2, 3)]),
 }
 
 
