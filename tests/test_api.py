@@ -104,6 +104,40 @@ def test_hooks_change_neither_outputs_nor_grad():
         assert torch.equal(p.grad, q.grad)
     psh.remove_hooks(hooked)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_user_tensor_hooks_on_captured_outputs_run_and_come_off(dtype):
+    """The library adds its hooks on captured outputs without handles: the user's own hooks on
+    the same tensors (before the library's, on a tensor the library hooks again, and after)
+    still run once per backward and come off with their handles; grad1 is unchanged."""
+    model = mlp().to(dtype)
+    x = torch.randn(6, 5, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], lambda out: out.sum(1), 6)
+    seen = []
+    handles = []
+
+    def user_forward_hook(module, args, output):  # registered after add_hooks: runs after ours
+        handles.append(output.register_hook(lambda g: seen.append("after")))
+
+    psh.add_hooks(model)
+    model[2].register_forward_hook(user_forward_hook)
+    for round_ in range(2):
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        if round_ == 1:
+            for handle in handles:
+                handle.remove()
+        handles.append(out.register_hook(lambda g: seen.append("on output")))
+        out.sum(1).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n],
+                                       **({} if dtype == torch.float32 else
+                                          {"rtol": 1e-12, "atol": 1e-12}))
+    assert seen == ["after", "on output", "on output"]
+    handles[-1].remove()
+    assert len(out._backward_hooks) == 1  # the library's own, which lives with the graph
+
+
 
 class ScaledMLP(nn.Module):
     """Linear, Tanh, Linear and a module with no rule (a fallback unit)."""
