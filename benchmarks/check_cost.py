@@ -35,6 +35,7 @@ def check_switch(state: HookState) -> Callable[[bool], None]:
     callbacks = [(state.listeners.on_clear, check.reset), (state.listeners.on_backward, check.due)]
 
     def switch(on: bool) -> None:
+        state.clear()  # ends the last step: a checked one's parameter hooks come off with it
         state.unseen = check if on else None
         for hooks, callback in callbacks:
             if on and callback not in hooks:

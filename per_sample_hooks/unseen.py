@@ -41,17 +41,20 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
 1. the first step, and every step whose captured structure (which modules were called, how many
    times, with which batch size) differs from every step checked so far;
 2. after that a random sample of steps, each step checked with probability
-   ``min(1, 0.005 * step time / check cost)`` (both measured, running averages; the step time
-   is that of its forward and backward, up to the ``compute_*`` call, an underestimate of a
-   training step), so that the sampled checks cost at most about 0.5% of the training time.
+   ``min(1, 0.005 * step time / check cost)``, independently of the others (the number of
+   steps to the next sampled check is drawn after each check: geometric), so that the sampled
+   checks cost at most about 0.5% of the training time. Both times are measured (running
+   averages); the step time is that of a forward and backward, up to the ``compute_*`` call
+   (an underestimate of a training step), measured on the first steps and after each check.
 
-On the other steps the check costs a few microseconds: a draw and a look at each parameter's
-``.grad`` at the step's start, and the decision at its first captured gradient. The
-parameters' gradient hooks are registered on checked steps only
+On the other steps the check costs a few microseconds: a step count and a look at each
+parameter's ``.grad`` at the step's start, and the decision at its first captured gradient.
+The parameters' gradient hooks are registered on checked steps only
 (:meth:`UnseenUseCheck._arm`): a hook costs a Python call per parameter per backward. In all,
-on the seed-003 MLP (six parameters, a step of 0.45 ms, the worst case in ``benchmarks``) the
-check costs 2.7-2.9% of the step (``benchmarks.check_cost``); on the other benchmark models,
-within their noise.
+on the seed-003 MLP (six parameters, a step of 0.4 ms, the worst case in ``benchmarks``) the
+check costs 2.1-2.3% of the step (``benchmarks.check_cost --models mlp003 --blocks 60``), of
+which about 0.8% is the look at the ``.grad`` s (their memory is cold at the step's start); on
+the other benchmark models, within their noise.
 
 It guarantees that every structure is checked before its per-sample quantities are returned. It
 does not guarantee that a use outside the modules that appears only on some steps of an
@@ -64,6 +67,7 @@ ordinary one on a check step.
 """
 from __future__ import annotations
 
+import math
 import operator
 import random
 import time
@@ -82,8 +86,8 @@ CheckUnseen = bool | Literal["always"]
 
 CHECK_BUDGET = 0.005
 """Fraction of the training time the sampled checks may take (on average). Small, because the
-work on unchecked steps already costs about 2.5% of the smallest benchmark model's 0.45 ms
-step (``benchmarks.check_cost``), and the whole check is meant to stay near 2%."""
+work on unchecked steps already costs about 2% of the smallest benchmark model's 0.4 ms step
+(``benchmarks.check_cost``), and the whole check is meant to stay near 2%."""
 
 
 def relative_tolerance(dtype: torch.dtype) -> float:
@@ -96,7 +100,8 @@ class Schedule:
     """Which steps are checked: see the module docstring. ``mode`` is ``"sampled"`` (the
     default policy) or ``"always"``; ``budget``: the fraction of the training time sampled
     checks may take (0: only new structures). Times are running averages
-    (``time.perf_counter``)."""
+    (``time.perf_counter``), the step's measured on the step after each check (and the first
+    two steps): a step that is neither checked nor drawn costs a counter and a comparison."""
 
     def __init__(self, mode: Literal["sampled", "always"], seed: int = 0,
                  budget: float = CHECK_BUDGET):
@@ -105,40 +110,59 @@ class Schedule:
         self.checked: set[Hashable] = set()
         self.random = random.Random(seed)
         self.checks = 0  # steps checked so far
+        self.steps = 0  # steps started so far
+        self.next_sampled = math.inf  # the step (count) drawn for the next sampled check
         self.step_seconds: float | None = None
         self.check_seconds: float | None = None
+        self.timing = True  # the next step is timed
         self._started: float | None = None
         self.steps_measured = 0
 
-    def sampled(self) -> bool:
-        """Whether a step of a checked structure (``checked``: a new one always is) is checked:
-        always, or drawn with probability ``budget * step time / check time``."""
-        if self.mode == "always":
-            return True
-        if not self.budget or not self.step_seconds or not self.check_seconds:
-            return False
-        return self.random.random() < self.budget * self.step_seconds / self.check_seconds
-
-    def step_started(self) -> None:
-        """The step's first hooked forward began."""
-        self._started = time.perf_counter()
+    def start(self) -> bool:
+        """A step starts (its first hooked forward): whether it is sampled (a step of a new
+        structure is checked whatever this says)."""
+        self.steps += 1
+        if self.timing:
+            self._started = time.perf_counter()
+        return self.steps >= self.next_sampled or self.mode == "always"
 
     def step_measured(self) -> None:
-        """A ``compute_*`` call reads the step: the time since :meth:`step_started` is the
-        step's measure (its forward and backward; the optimizer and anything else between
-        steps are not counted, so the checks cost less than ``budget`` of the training time,
-        also when steps of other models run in between, as in interleaved benchmarks)."""
-        if self._started is not None:
-            seconds = time.perf_counter() - self._started
-            if self.steps_measured:  # the first step also pays one-time costs: left out
-                self.step_seconds = _average(self.step_seconds, seconds)
-            self.steps_measured += 1
-            self._started = None
+        """A ``compute_*`` call reads the step: on a timed step, the time since :meth:`start`
+        is the step's measure (its forward and backward; the optimizer and anything else
+        between steps are not counted, so the checks cost less than ``budget`` of the training
+        time, also when steps of other models run in between, as in interleaved
+        benchmarks)."""
+        if self._started is None:
+            return
+        seconds = time.perf_counter() - self._started
+        self._started = None
+        self.steps_measured += 1
+        if self.steps_measured == 1:  # the first step also pays one-time costs: left out
+            return
+        self.step_seconds = _average(self.step_seconds, seconds)
+        self.timing = False
+        if self.next_sampled == math.inf:
+            self.draw()
+
+    def draw(self) -> None:
+        """Draw the next sampled step: the number of steps until it is geometric, so that each
+        step is sampled with probability ``p = budget * step time / check time``,
+        independently of the others (1 for ``p >= 1``: every step)."""
+        if not (self.budget and self.step_seconds and self.check_seconds):
+            self.next_sampled = math.inf
+            return
+        p = self.budget * self.step_seconds / self.check_seconds
+        gap = 1 if p >= 1 else 1 + int(math.log(1.0 - self.random.random()) / math.log1p(-p))
+        self.next_sampled = self.steps + gap
 
     def checked_one(self, structure: Hashable, seconds: float) -> None:
+        """A step of ``structure`` was checked, in ``seconds``: draw the next sampled step, and
+        time the next step."""
         self.checks += 1
         self.checked.add(structure)
         self.check_seconds = _average(self.check_seconds, seconds)
+        self.timing = True
+        self.draw()
 
 
 def _average(old: float | None, new: float) -> float:
@@ -177,7 +201,7 @@ class UnseenUseCheck:
         # a step never compared (capture only, no compute_* call) reveals nothing about them
         self.probes: dict[int, Probe] = {}
         self.compared = False
-        self.hook_seconds = 0.0  # this step's time in the hooks (part of the check's cost)
+        self.hook_seconds = 0.0  # this checked step's time in the hooks (part of its cost)
         self._state = state
         self._hooks = [(p, self._total_hook(id(p))) for p in owners]
         # the hooks registered on a checked step
@@ -187,45 +211,43 @@ class UnseenUseCheck:
         self._marks: list[Tensor | None] = []  # each parameter's .grad at the step's start
         self._versions: list[int | None] | None = None  # their versions (None: no .grad)
         self.changed_early: list[int] = []  # keys of gradients changed in place before arming
-        self._sampled = False  # this step is checked if its structure was (drawn at its start)
+        self._sampled = False  # this step is sampled (drawn before its start)
         state.listeners.on_clear.append(self.reset)
         state.listeners.on_backward.append(self.due)
         self._start()
 
     def reset(self) -> None:
-        """A new step: nothing decided, compared or armed (runs on every step: the cheap tests
-        first)."""
+        """A new step: nothing decided, compared or armed (runs on every step: a checked
+        step's leftovers are looked at only after one)."""
         self.decision = None
-        if self.totals:
-            self.totals.clear()
-            self.sizes.clear()
-        self.changed_early.clear()
-        self.hook_seconds = 0.0
         if self._armed:
             self._disarm()
-        if self.compared:
-            self.probes.clear()
-            self.compared = False
         self._start()
 
     def _disarm(self) -> None:
-        """Remove the hooks :meth:`_arm` registered. Autograd keeps a parameter's hook table
-        once one was registered, and calls into it on every backward even when empty (about
-        a microsecond per parameter): an emptied table is dropped, one holding others' hooks
-        stays."""
+        """Remove the hooks :meth:`_arm` registered and forget what they summed (and the
+        probes, if compared: new ones for the next step that compares). Autograd
+        keeps a parameter's hook table once one was registered, and calls into it on every
+        backward even when empty (about a microsecond per parameter): an emptied table is
+        dropped, one holding others' hooks stays."""
         for p, handle in self._armed:
             handle.remove()
             if not p._backward_hooks:
                 p._backward_hooks = None
         self._armed.clear()
+        self.totals.clear()
+        self.sizes.clear()
+        self.changed_early.clear()
+        if self.compared:  # (compared on an armed step only)
+            self.probes.clear()
+            self.compared = False
 
     def _start(self) -> None:
         """The step's start (its first hooked forward): time it, draw whether it is sampled,
         and note each parameter's ``.grad`` and its version, so that :meth:`_arm` can tell
         what autograd accumulated before it. The ``.grad`` s are held until the step's first
         captured gradient (one the loop drops after its forward lives until then)."""
-        self.schedule.step_started()
-        self._sampled = self.schedule.sampled()
+        self._sampled = self.schedule.start()
         grads = list(map(_grad_of, self._params))
         self._marks = grads
         # (not grads.count(None): it compares with ==, a Tensor.__eq__ call per .grad)
@@ -270,7 +292,7 @@ class UnseenUseCheck:
                 elif grad._version != self._versions[i] and bool(grad.detach().any()):
                     self.changed_early.append(id(p))
             self._armed.append((p, p.register_hook(hook)))
-        self.hook_seconds += time.perf_counter() - start
+        self.hook_seconds = time.perf_counter() - start  # the step's first: _arm runs once
 
     def probe(self, p: Tensor) -> Probe:
         """The probes for ``p`` (drawn on first use, in ``p``'s dtype and device; new ones

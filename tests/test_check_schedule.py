@@ -74,24 +74,38 @@ def test_a_step_without_parameter_gradients_leaves_the_check_due():
 
 
 def test_sampled_checks_cost_the_budget():
-    """Once a structure is checked, each step is checked with probability
-    budget * step time / check time: the expected cost is the budget of the training time."""
+    """Once a structure is checked and a step timed, each step is checked with probability
+    budget * step time / check time, independently (the steps to the next sampled check are
+    drawn after each check): the expected cost is the budget of the training time."""
     schedule = Schedule("sampled", seed=1)
-    schedule.checked_one("structure", 0.5)
     schedule.step_seconds = 1.0
-    draws = 20000
-    checked = sum(schedule.sampled() for _ in range(draws))
-    expected = draws * schedule.budget * 1.0 / 0.5  # 2 budgets of steps, each half a step long
+    schedule.checked_one("structure", 0.5)
+    steps, checked, gaps, last = 20000, 0, [], 0
+    for step in range(1, steps + 1):
+        if schedule.start():
+            checked += 1
+            gaps.append(step - last)
+            last = step
+            schedule.checked_one("structure", 0.5)
+    expected = steps * schedule.budget * 1.0 / 0.5  # 2 budgets of steps, each half a step long
     assert abs(checked - expected) < 5 * expected ** 0.5
     # cost per unit of training time: the budget, up to the draws' spread
-    assert checked * 0.5 / draws <= schedule.budget * (1 + 5 / expected ** 0.5)
+    assert checked * 0.5 / steps <= schedule.budget * (1 + 5 / expected ** 0.5)
+    # geometric gaps: memoryless, so about as many gaps above the mean as 1/e of them
+    mean = steps / expected
+    above = sum(g > mean for g in gaps) / len(gaps)
+    assert abs(above - 0.3679) < 5 * (0.2325 / len(gaps)) ** 0.5
     assert "another structure" not in schedule.checked  # new: checked whatever the draw
     schedule.budget = 1e9  # a check cheaper than its share: every step
-    assert all(schedule.sampled() for _ in range(100))
+    schedule.checked_one("structure", 0.5)
+    for _ in range(100):
+        assert schedule.start()
+        schedule.checked_one("structure", 0.5)
+    schedule.budget = 0.0  # new structures only
+    schedule.checked_one("structure", 0.5)
+    assert not any(schedule.start() for _ in range(100))
     always = Schedule("always")
-    always.checked_one("structure", 10.0)
-    always.step_seconds = 1.0
-    assert all(always.sampled() for _ in range(100))
+    assert all(always.start() for _ in range(100))
 
 
 def test_sampled_checks_run_in_a_training_loop():
