@@ -99,61 +99,69 @@ def relative_tolerance(dtype: torch.dtype) -> float:
 class Schedule:
     """Which steps are checked: see the module docstring. ``mode`` is ``"sampled"`` (the
     default policy) or ``"always"``; ``budget``: the fraction of the training time sampled
-    checks may take (0: only new structures). Times are running averages
-    (``time.perf_counter``), the step's measured on the step after each check (and the first
-    two steps): a step that is neither checked nor drawn costs a counter and a comparison."""
+    checks may take (0: only new structures); ``clock``: seconds (``time.perf_counter``).
+
+    A step counts once a ``compute_*`` call reads it (:meth:`step_read`): one that only
+    captures (``clear_backprops``) neither counts nor uses up a draw. Times are running
+    averages, the step's measured on the first steps and on the step after each check: a step
+    that is neither checked nor timed costs a flag, a count and a comparison."""
 
     def __init__(self, mode: Literal["sampled", "always"], seed: int = 0,
-                 budget: float = CHECK_BUDGET):
+                 budget: float = CHECK_BUDGET, clock: Callable[[], float] = time.perf_counter):
         self.mode = mode
         self.budget = budget
+        self.clock = clock
         self.checked: set[Hashable] = set()
         self.random = random.Random(seed)
         self.checks = 0  # steps checked so far
-        self.steps = 0  # steps started so far
-        self.next_sampled = math.inf  # the step (count) drawn for the next sampled check
+        self.until_sampled = math.inf  # steps read before the next sampled one (drawn)
         self.step_seconds: float | None = None
         self.check_seconds: float | None = None
         self.timing = True  # the next step is timed
+        self._open = False  # a step started that no compute_* call has read yet
         self._started: float | None = None
         self.steps_measured = 0
 
     def start(self) -> bool:
         """A step starts (its first hooked forward): whether it is sampled (a step of a new
         structure is checked whatever this says)."""
-        self.steps += 1
+        self._open = True
         if self.timing:
-            self._started = time.perf_counter()
-        return self.steps >= self.next_sampled or self.mode == "always"
+            self._started = self.clock()
+        return self.until_sampled <= 0 or self.mode == "always"
 
-    def step_measured(self) -> None:
-        """A ``compute_*`` call reads the step: on a timed step, the time since :meth:`start`
-        is the step's measure (its forward and backward; the optimizer and anything else
-        between steps are not counted, so the checks cost less than ``budget`` of the training
-        time, also when steps of other models run in between, as in interleaved
-        benchmarks)."""
+    def step_read(self) -> None:
+        """A ``compute_*`` call reads the step (the first call of a step counts it). On a
+        timed step, the time since :meth:`start` is the step's measure: its forward and
+        backward; the optimizer and anything else between steps are not counted, so the checks
+        cost less than ``budget`` of the training time, also when steps of other models run in
+        between, as in interleaved benchmarks."""
+        if not self._open:
+            return
+        self._open = False
+        self.until_sampled -= 1  # a sampled step that compared nothing stays due: below 0
         if self._started is None:
             return
-        seconds = time.perf_counter() - self._started
+        seconds = self.clock() - self._started
         self._started = None
         self.steps_measured += 1
         if self.steps_measured == 1:  # the first step also pays one-time costs: left out
             return
         self.step_seconds = _average(self.step_seconds, seconds)
         self.timing = False
-        if self.next_sampled == math.inf:
+        if self.until_sampled == math.inf:
             self.draw()
 
     def draw(self) -> None:
-        """Draw the next sampled step: the number of steps until it is geometric, so that each
-        step is sampled with probability ``p = budget * step time / check time``,
-        independently of the others (1 for ``p >= 1``: every step)."""
+        """Draw the steps before the next sampled one: geometric, so that each step is sampled
+        with probability ``p = budget * step time / check time``, independently of the others
+        (``p >= 1``: every step)."""
         if not (self.budget and self.step_seconds and self.check_seconds):
-            self.next_sampled = math.inf
+            self.until_sampled = math.inf
             return
         p = self.budget * self.step_seconds / self.check_seconds
-        gap = 1 if p >= 1 else 1 + int(math.log(1.0 - self.random.random()) / math.log1p(-p))
-        self.next_sampled = self.steps + gap
+        self.until_sampled = 0 if p >= 1 else \
+            int(math.log(1.0 - self.random.random()) / math.log1p(-p))
 
     def checked_one(self, structure: Hashable, seconds: float) -> None:
         """A step of ``structure`` was checked, in ``seconds``: draw the next sampled step, and

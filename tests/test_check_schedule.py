@@ -76,34 +76,49 @@ def test_a_step_without_parameter_gradients_leaves_the_check_due():
 def test_sampled_checks_cost_the_budget():
     """Once a structure is checked and a step timed, each step is checked with probability
     budget * step time / check time, independently (the steps to the next sampled check are
-    drawn after each check): the expected cost is the budget of the training time."""
-    schedule = Schedule("sampled", seed=1)
-    schedule.step_seconds = 1.0
-    schedule.checked_one("structure", 0.5)
-    steps, checked, gaps, last = 20000, 0, [], 0
-    for step in range(1, steps + 1):
-        if schedule.start():
-            checked += 1
-            gaps.append(step - last)
-            last = step
-            schedule.checked_one("structure", 0.5)
+    drawn after each check): the expected cost is the budget of the training time. Steps that
+    no compute_* call reads (capture only) neither count nor use up a draw."""
+    now = [0.0]
+    schedule = Schedule("sampled", seed=1, clock=lambda: now[0])
+
+    def run(steps, check_seconds=0.5, unread_between=0):
+        """Steps of 1 s each, ``unread_between`` captured-only steps before each; the indices
+        of the checked ones."""
+        checked = []
+        for step in range(steps):
+            for _ in range(unread_between):
+                schedule.start()
+            sampled = schedule.start()
+            now[0] += 1.0
+            schedule.step_read()
+            if sampled:
+                checked.append(step)
+                schedule.checked_one("structure", check_seconds)
+        return checked
+
+    assert run(1) == [] and run(1) == []  # no times yet: nothing drawn
+    schedule.checked_one("structure", 0.5)  # the first step's check
+    run(1)  # timed: the first draw
+    steps = 20000
+    checked = run(steps)
     expected = steps * schedule.budget * 1.0 / 0.5  # 2 budgets of steps, each half a step long
-    assert abs(checked - expected) < 5 * expected ** 0.5
+    assert abs(len(checked) - expected) < 5 * expected ** 0.5
     # cost per unit of training time: the budget, up to the draws' spread
-    assert checked * 0.5 / steps <= schedule.budget * (1 + 5 / expected ** 0.5)
-    # geometric gaps: memoryless, so about as many gaps above the mean as 1/e of them
-    mean = steps / expected
-    above = sum(g > mean for g in gaps) / len(gaps)
+    assert len(checked) * 0.5 / steps <= schedule.budget * (1 + 5 / expected ** 0.5)
+    # geometric gaps: memoryless, so about 1/e of them above the mean
+    gaps = [b - a for a, b in zip(checked, checked[1:])]
+    above = sum(g > steps / expected for g in gaps) / len(gaps)
     assert abs(above - 0.3679) < 5 * (0.2325 / len(gaps)) ** 0.5
+    # captured-only steps in between change nothing
+    with_unread = run(steps, unread_between=3)
+    assert abs(len(with_unread) - expected) < 5 * expected ** 0.5
     assert "another structure" not in schedule.checked  # new: checked whatever the draw
     schedule.budget = 1e9  # a check cheaper than its share: every step
     schedule.checked_one("structure", 0.5)
-    for _ in range(100):
-        assert schedule.start()
-        schedule.checked_one("structure", 0.5)
+    assert run(100) == list(range(100))
     schedule.budget = 0.0  # new structures only
     schedule.checked_one("structure", 0.5)
-    assert not any(schedule.start() for _ in range(100))
+    assert run(100) == []
     always = Schedule("always")
     assert all(always.start() for _ in range(100))
 
