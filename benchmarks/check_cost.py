@@ -42,6 +42,7 @@ def check_switch(state: HookState) -> Callable[[bool], None]:
                 hooks.append(callback)
             elif not on and callback in hooks:
                 hooks.remove(callback)
+        state.end_step()  # the block's first forward starts a step (the check's start, if on)
     return switch
 
 

@@ -200,6 +200,7 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     added without a handle (:func:`add_tensor_hook`) unless ``compiling``.
     """
     register = Tensor.register_hook if compiling else add_tensor_hook
+
     def arrived(grad: Tensor) -> None:
         sink.append(grad)
         if owner is not None:

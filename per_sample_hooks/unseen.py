@@ -42,8 +42,9 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
    times, with which batch size) differs from every step checked so far;
 2. after that a random sample of steps, each step checked with probability
    ``min(1, 0.005 * step time / check cost)``, independently of the others (the number of
-   steps to the next sampled check is drawn after each check: geometric), so that the sampled
-   checks cost at most about 0.5% of the training time. Both times are measured (running
+   steps to the next sampled check is drawn after each check: geometric; a step counts when a
+   ``compute_*`` call reads it), so that the sampled checks cost at most about 0.5% of the
+   training time. Both times are measured (running
    averages); the step time is that of a forward and backward, up to the ``compute_*`` call
    (an underestimate of a training step), measured on the first steps and after each check.
 
@@ -52,9 +53,8 @@ parameter's ``.grad`` at the step's start, and the decision at its first capture
 The parameters' gradient hooks are registered on checked steps only
 (:meth:`UnseenUseCheck._arm`): a hook costs a Python call per parameter per backward. In all,
 on the seed-003 MLP (six parameters, a step of 0.4 ms, the worst case in ``benchmarks``) the
-check costs 2.1-2.3% of the step (``benchmarks.check_cost --models mlp003 --blocks 60``), of
-which about 0.8% is the look at the ``.grad`` s (their memory is cold at the step's start); on
-the other benchmark models, within their noise.
+check costs 2.0-3.2% of the step (median 2.3%, four runs of ``benchmarks.check_cost --models
+mlp003 --blocks 60``); on the other benchmark models, within their noise.
 
 It guarantees that every structure is checked before its per-sample quantities are returned. It
 does not guarantee that a use outside the modules that appears only on some steps of an
@@ -251,10 +251,11 @@ class UnseenUseCheck:
             self.compared = False
 
     def _start(self) -> None:
-        """The step's start (its first hooked forward): time it, draw whether it is sampled,
-        and note each parameter's ``.grad`` and its version, so that :meth:`_arm` can tell
-        what autograd accumulated before it. The ``.grad`` s are held until the step's first
-        captured gradient (one the loop drops after its forward lives until then)."""
+        """The step's start (its first hooked forward): ask the schedule whether it is sampled
+        (which also times the step, when due), and note each parameter's ``.grad`` and its
+        version, so that :meth:`_arm` can tell what autograd accumulated before it. The
+        ``.grad`` s are held until the step's first captured gradient (one the loop drops
+        after its forward lives until then)."""
         self._sampled = self.schedule.start()
         grads = list(map(_grad_of, self._params))
         self._marks = grads
