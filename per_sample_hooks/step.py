@@ -180,7 +180,8 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                 "add_hooks(model, units=[...]); or freeze the parameters it is computed from")
         step_batch = status.batch or 0
         merged = next((name for size, name in sizes.items()
-                       if step_batch > 1 and size > step_batch and size % step_batch == 0), None)
+                       if size > step_batch and size % step_batch == 0), None) \
+            if step_batch > 1 else None
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "

@@ -44,9 +44,9 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
    ``min(1, 0.005 * step time / check cost)``, independently of the others (the number of
    steps to the next sampled check is drawn after each check: geometric; a step counts when a
    ``compute_*`` call reads it), so that the sampled checks cost at most about 0.5% of the
-   training time. Both times are measured (running
-   averages); the step time is that of a forward and backward, up to the ``compute_*`` call
-   (an underestimate of a training step), measured on the first steps and after each check.
+   training time. Both times are measured (running averages); the step time is that of a
+   forward and backward, up to the ``compute_*`` call (an underestimate of a training step),
+   measured on the first steps and after each check.
 
 On the other steps the check costs a few microseconds: a step count and a look at each
 parameter's ``.grad`` at the step's start, and the decision at its first captured gradient.
