@@ -111,8 +111,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
 
     ``check_unseen``: detect parameter uses outside their module's forward (raise rather than
     return per-sample quantities that miss a term; see :mod:`per_sample_hooks.unseen`): True
-    checks the first step, every step of a new captured structure (modules called, how often,
-    batch sizes) and a random sample of the others at about 0.5% of the training time;
+    checks the first two steps, every step of a new captured structure (modules called, how
+    often, batch sizes) and a random sample of the others at about 0.5% of the training time;
     ``"always"`` every step; False never.
 
     ``broadcast``: a module called with batch size 1 after some module of the same forward saw
@@ -260,9 +260,13 @@ def clear_backprops(model: nn.Module) -> None:
     """Forget everything captured so the next step starts clean (buffers are kept for reuse).
 
     Not needed in a loop that calls a ``compute_*`` function every step: the first forward
-    after a ``compute_*`` call starts a new step by itself.
+    after a ``compute_*`` call starts a new step by itself. That forward still starts the step
+    (the records are cleared again, add-ons reset): what happens to ``.grad`` in between (an
+    optimizer's or a preconditioner's in-place edit) belongs to no step.
     """
-    get_state(model).clear()
+    state = get_state(model)
+    state.clear()
+    state.end_step()
 
 
 @with_full_values

@@ -163,6 +163,28 @@ def test_every_way_of_zeroing_gradients_passes_the_check(style, dtype):
             torch.testing.assert_close(p.grad1, expected[name].to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradients_edited_in_place_after_clear_backprops_are_not_reported(dtype):
+    """``clear_backprops`` and then an in-place edit of ``.grad`` (what ``KFAC.step`` does when
+    it preconditions; a clipping or an optimizer of one's own), the next step's backward
+    accumulating onto the edited gradients: the edit is between steps, no unseen use (the
+    check notes each ``.grad`` when the next step's forward starts); grad1 exact."""
+    torch.manual_seed(0)
+    model, x = FunctionalHead(functional=False).to(dtype), torch.randn(5, 3, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], lambda out: out.pow(2),
+                          len(x))
+    with psh.add_hooks(model, check_unseen="always") as state:
+        for _ in range(3):
+            model(x).pow(2).sum().backward()
+            psh.compute_grad1(model, loss_type="sum")
+            psh.clear_backprops(model)
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        assert state.unseen.schedule.checks == 3
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[name].to(dtype))
+
+
 def test_check_off_and_input_only_gradients():
     torch.manual_seed(0)
     model = TiedLanguageModel("matmul")
