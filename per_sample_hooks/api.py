@@ -205,6 +205,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)
+    state.end_step()  # the first forward starts the first step (add-ons reset there)
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
 

@@ -164,22 +164,24 @@ def test_every_way_of_zeroing_gradients_passes_the_check(style, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gradients_edited_in_place_after_clear_backprops_are_not_reported(dtype):
-    """``clear_backprops`` and then an in-place edit of ``.grad`` (what ``KFAC.step`` does when
-    it preconditions; a clipping or an optimizer of one's own), the next step's backward
-    accumulating onto the edited gradients: the edit is between steps, no unseen use (the
-    check notes each ``.grad`` when the next step's forward starts); grad1 exact."""
+def test_gradients_edited_in_place_between_steps_are_not_reported(dtype):
+    """An in-place edit of ``.grad`` after ``add_hooks`` or ``clear_backprops`` (what
+    ``KFAC.step`` does when it preconditions; a clipping or an optimizer of one's own), the
+    next step's backward accumulating onto the edited gradients: the edit is between steps,
+    no unseen use (the check notes each ``.grad`` when the step's first forward ends);
+    grad1 exact."""
     torch.manual_seed(0)
     model, x = FunctionalHead(functional=False).to(dtype), torch.randn(5, 3, dtype=dtype)
     expected = loop_grads(copy.deepcopy(model).double(), [x.double()], lambda out: out.pow(2),
                           len(x))
+    model(x).sum().backward()  # gradients from before the hooks, edited after add_hooks
     with psh.add_hooks(model, check_unseen="always") as state:
         for _ in range(3):
+            for p in model.parameters():
+                p.grad.mul_(0.5)
             model(x).pow(2).sum().backward()
             psh.compute_grad1(model, loss_type="sum")
             psh.clear_backprops(model)
-            for p in model.parameters():
-                p.grad.mul_(0.5)
         assert state.unseen.schedule.checks == 3
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad1, expected[name].to(dtype))
