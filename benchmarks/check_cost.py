@@ -71,7 +71,7 @@ def measure(name: str, blocks: int, block_ms: float) -> tuple[float, float, int,
     """``(median ratio on / off, its inter-quartile half-width, checks, steps)``."""
     step, state = grad1_step(name)
     switch = check_switch(state)
-    for _ in range(3):  # warm-up; the first step is checked (a new structure)
+    for _ in range(3):  # warm-up; the first two steps are checked (new structure, cost)
         step()
     start = time.perf_counter()
     step()

@@ -14,8 +14,9 @@ Methods (one training step each, timed interleaved, see harness.py):
   (``OutputEdges``, no parameter gradient), then ``compute_kfac``: the factors alone, as ASDL's
   default ``forward_and_backward()`` computes them (it skips the parameter gradients).
 - ``kfac MC-1``: hooked forward + ``backprop_hess(n_samples=1, edges=)`` (the pass stops at
-  the hooked layers' outputs, as ``optim.KFAC`` does after its first step) + ``compute_kfac`` +
-  backward of the loss (for the gradient): Fisher factors from one sampled label, as
+  the hooked layers' outputs, as ``optim.KFAC`` does but on the steps the check runs) +
+  ``compute_kfac`` + backward of the loss (for the gradient): Fisher factors from one sampled
+  label, as
   BackPACK's ``KFAC`` computes (the like-for-like comparison with it).
 - ``kfac GGN``: the same with the exact ``backprop_hess`` (one pass per class, to the output
   edges): the exact Gauss-Newton factors, as BackPACK's ``KFLR`` computes; ``kfac GGN to

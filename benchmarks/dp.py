@@ -15,9 +15,9 @@ Methods (each on its own copy of the same model, timed interleaved round by roun
   skipping the parameter gradients that ``clip_grads`` rebuilds clipped
   anyway, and forming per-sample gradients on arrival where they are smaller than the
   captured pair; then ``clip_grads(release_records=True)`` (as ``DPSGD.step``). A step the
-  unseen-use check runs (the first, and sampled ones) takes an ordinary backward instead.
+  unseen-use check runs (the first two, and sampled ones) takes an ordinary backward instead.
 - ``psh clip outputs-bwd no check``: the same with ``check_unseen=False``: the memory of the
-  steps the check does not run on (the memory run's 3 steps include the checked first one).
+  steps the check does not run on (the memory run's 3 steps include the checked first two).
 - ``psh norms outputs-bwd``: the same backward, then ``compute_norms`` (norms when the
   parameter gradients are not wanted: monitoring, or a clipping of one's own).
 - ``psh DPSGD noise 0`` / ``psh DPSGD noise 1``: ``DPSGD`` (no accountant) with noise

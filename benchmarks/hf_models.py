@@ -46,9 +46,10 @@ difference over the norm of torch.func's, per sample or of the whole clipped gra
 
 Memory (``--no-memory`` skips it) as in ``benchmarks/dp.py``: peak RSS of 3 steps in a fresh
 process above the RSS once the model is built and one step of the method has run on a
-throw-away copy, median of 3 children, for ``MEMORY_METHODS``. The peak of ``psh DPSGD`` is its
-first step's, which the unseen-use check runs with an ordinary backward; ``psh DPSGD no check``
-(memory only: ``add_hooks(model, check_unseen=False)`` first) is that of the other steps.
+throw-away copy, median of 3 children, for ``MEMORY_METHODS``. The peak of ``psh DPSGD`` is
+that of its first two steps, which the unseen-use check runs with an ordinary backward; ``psh
+DPSGD no check`` (memory only: ``add_hooks(model, check_unseen=False)`` first) is that of the
+other steps.
 
 ``--workarounds``: untied output layers and GPT-2's ``position_ids`` passed as ``[B, T]``
 (Opacus refuses the defaults).
