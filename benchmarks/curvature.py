@@ -16,8 +16,7 @@ Methods (one training step each, timed interleaved, see harness.py):
 - ``kfac MC-1``: hooked forward + ``backprop_hess(n_samples=1, edges=)`` (the pass stops at
   the hooked layers' outputs, as ``optim.KFAC`` does but on the steps the check runs) +
   ``compute_kfac`` + backward of the loss (for the gradient): Fisher factors from one sampled
-  label, as
-  BackPACK's ``KFAC`` computes (the like-for-like comparison with it).
+  label, as BackPACK's ``KFAC`` computes (the like-for-like comparison with it).
 - ``kfac GGN``: the same with the exact ``backprop_hess`` (one pass per class, to the output
   edges): the exact Gauss-Newton factors, as BackPACK's ``KFLR`` computes; ``kfac GGN to
   leaves``: its passes to the graph's leaves (``edges=None``, parameter gradients computed).
