@@ -54,7 +54,7 @@ parameter's ``.grad`` at the step's start, and the decision at its first capture
 The parameters' gradient hooks are registered on checked steps only
 (:meth:`UnseenUseCheck._arm`): a hook costs a Python call per parameter per backward. In all,
 on the seed-003 MLP (six parameters, a step of 0.4 ms, the worst case in ``benchmarks``) the
-check costs 2.0-3.2% of the step (median 2.3%, four runs of ``benchmarks.check_cost``); on
+check costs 2.6-3.5% of the step (median 2.8%, three runs of ``benchmarks.check_cost``); on
 the other benchmark models, within their noise.
 
 It guarantees that every structure is checked before its per-sample quantities are returned. It
