@@ -125,10 +125,9 @@ def test_sampled_checks_cost_the_budget():
 
 
 def test_sampled_checks_run_in_a_training_loop():
-    """The first step is checked (a new structure), and so is the second (the first check's
-    time, which pays one-time costs, is left out: the second measures the check's cost); with
-    a budget that covers the check, every step after them too. The check measures its own cost
-    and the step time (the first step's, which pays one-time costs, left out)."""
+    """The first two steps are checked (a new structure, then the check's cost: the first
+    check's time is left out); with a budget that covers the check, every later step too. The
+    check measures its own cost and the step time."""
     torch.manual_seed(0)
     model = SometimesLeaks()
     with psh.add_hooks(model) as state:

@@ -235,7 +235,7 @@ def test_running_average_and_update_frequency():
 
 
 @pytest.mark.parametrize("update_freq", [1, 2])
-def test_backprop_hess_passes_stop_at_the_outputs_after_the_first(update_freq):
+def test_backprop_hess_passes_stop_at_the_outputs_after_the_checked_steps(update_freq):
     """The first two ``backprop_hess`` go to the leaves (parameter gradients, for the
     unseen-use check, which runs on the first step read and on the next to measure its cost);
     later update steps' passes stop at the hooked outputs: no parameter gradient, the same
