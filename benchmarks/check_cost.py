@@ -35,14 +35,15 @@ def check_switch(state: HookState) -> Callable[[bool], None]:
     callbacks = [(state.listeners.on_clear, check.reset), (state.listeners.on_backward, check.due)]
 
     def switch(on: bool) -> None:
-        state.clear()  # ends the last step: a checked one's parameter hooks come off with it
+        # ends the last step (a checked one's parameter hooks come off with it); the block's
+        # first forward starts the next (the check's start, if on)
+        state.clear()
         state.unseen = check if on else None
         for hooks, callback in callbacks:
             if on and callback not in hooks:
                 hooks.append(callback)
             elif not on and callback in hooks:
                 hooks.remove(callback)
-        state.end_step()  # the block's first forward starts a step (the check's start, if on)
     return switch
 
 

@@ -205,7 +205,6 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     mode = check_mode(check_unseen)
     if mode is not None:
         state.unseen = UnseenUseCheck(state, owners, mode)
-    state.end_step()  # the first forward starts the first step (add-ons reset there)
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
 
@@ -261,13 +260,10 @@ def clear_backprops(model: nn.Module) -> None:
     """Forget everything captured so the next step starts clean (buffers are kept for reuse).
 
     Not needed in a loop that calls a ``compute_*`` function every step: the first forward
-    after a ``compute_*`` call starts a new step by itself. That forward still starts the step
-    (the records are cleared again, add-ons reset): what happens to ``.grad`` in between (an
-    optimizer's or a preconditioner's in-place edit) belongs to no step.
+    after a ``compute_*`` call starts a new step by itself. The next forward starts the next
+    step either way (:meth:`HookState.clear <per_sample_hooks.capture.HookState.clear>`).
     """
-    state = get_state(model)
-    state.clear()
-    state.end_step()
+    get_state(model).clear()
 
 
 @with_full_values

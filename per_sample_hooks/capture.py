@@ -370,7 +370,7 @@ class Buffers:
 
 @dataclass
 class StepStatus:
-    """Where the current step stands; a fresh one for each step (:meth:`HookState.clear`)."""
+    """Where the current step stands; a fresh one for each step (:meth:`HookState._new_step`)."""
     consumed: bool = False  # a compute_* call ended the step: the next forward starts anew
     backward_seen: bool = False  # a captured output received a gradient in this step
     forward_after_backward: str | None = None  # first module called after a backward
@@ -435,7 +435,7 @@ class HookState:
         self.watchers: dict[nn.Module, Callable[[], tuple[list[Tensor], object]]] = {}
         self.unseen: Any = None
         self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
-        self.status = StepStatus()
+        self.status = StepStatus(consumed=True)  # the first forward starts the first step
         self.storage = Buffers()
         self.enabled = True
         self.listeners = Listeners()
@@ -484,7 +484,7 @@ class HookState:
         name, batch_dim = self.modules[owner]
         status = self.status
         if status.consumed:
-            self.clear()
+            self._new_step()
             status = self.status
         elif status.backward_seen and status.forward_after_backward is None:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
@@ -563,7 +563,15 @@ class HookState:
         return not _inside_torch_func(compiling)
 
     def clear(self) -> None:
-        """Forget every captured call (buffers stay for reuse)."""
+        """Forget every captured call (buffers stay for reuse). The next forward still starts
+        the next step (the records are cleared again, add-ons reset there): what happens to
+        ``.grad`` in between (an optimizer's or a preconditioner's in-place edit) belongs to no
+        step."""
+        self._new_step()
+        self.status.consumed = True
+
+    def _new_step(self) -> None:
+        """Forget every captured call and reset the add-ons: a step starts."""
         for calls in self.calls.values():
             calls.clear()
         self.storage.end_step()
