@@ -49,22 +49,25 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
    measured on the first steps and after each check. The first check's time, which includes
    one-time costs, is left out: the step after it is checked to measure the check's cost.
 
-On the other steps the check costs a few microseconds: a step count and a look at each
-parameter's ``.grad`` at the step's start, and the decision at its first captured gradient.
-The parameters' gradient hooks are registered on checked steps only
-(:meth:`UnseenUseCheck._arm`): a hook costs a Python call per parameter per backward. In all,
-on the seed-003 MLP (six parameters, a step of 0.4 ms, the worst case in ``benchmarks``) the
-check costs 2.6-3.5% of the step (median 2.8%, three runs of ``benchmarks.check_cost``); on
-the other benchmark models, within their noise.
+On the other steps the check costs a few microseconds: a step count at the step's start and
+the decision at its first captured gradient. The parameters' gradient hooks are registered on
+checked steps only (:meth:`UnseenUseCheck._arm`): a hook costs a Python call per parameter
+per backward. The ``.grad`` of each parameter is noted at the start of the steps that may be
+checked, and of every step in a loop that keeps gradients across steps
+(:meth:`UnseenUseCheck._start`). In all, on the seed-003 MLP (six parameters, a step of
+0.4 ms, the worst case in ``benchmarks``) the check costs 1.5-1.6% of the step (two runs of
+``benchmarks.check_cost``); on the other benchmark models, within their noise.
 
-It guarantees that every structure is checked before its per-sample quantities are returned. It
-does not guarantee that a use outside the modules that appears only on some steps of an
-already-checked structure (a branch taken now and then) is caught on the step it appears: it
-is caught at the next sampled check that sees it. ``check_unseen="always"`` checks every step;
-``False`` never. A step that computed no parameter gradient (``torch.autograd.grad`` for inputs
-only, the output-edge backward) cannot be checked: a check due on it stays due for the next
-step that can. Consumers ask :meth:`UnseenUseCheck.due` before their backward to choose an
-ordinary one on a check step.
+It guarantees that every structure is checked before its per-sample quantities are returned (a
+step whose start was not noted takes each ``.grad`` it finds when armed as its own, as in every
+step noted so far; a loop that set the gradients to None on every step until then and keeps
+them on this one sees a report that says so). It does not guarantee that a use outside the
+modules that appears only on some steps of an already-checked structure (a branch taken now and
+then) is caught on the step it appears: it is caught at the next sampled check that sees it.
+``check_unseen="always"`` checks every step; ``False`` never. A step that computed no parameter
+gradient (``torch.autograd.grad`` for inputs only, the output-edge backward) cannot be checked:
+a check due on it stays due for the next step that can. Consumers ask
+:meth:`UnseenUseCheck.due` before their backward to choose an ordinary one on a check step.
 """
 from __future__ import annotations
 
@@ -222,8 +225,14 @@ class UnseenUseCheck:
         self._armed: list[tuple[nn.Parameter, RemovableHandle]] = []
         self._params = [p for p, _ in self._hooks]
         self._nones = [None] * len(self._params)
-        self._marks: list[Tensor | None] = []  # each parameter's .grad at the step's start
-        self._versions: list[int | None] | None = None  # their versions (None: no .grad)
+        # each parameter's .grad at the step's start (None: not noted) and their versions
+        # (None: no .grad)
+        self._marks: list[Tensor | None] | None = []
+        self._versions: list[int | None] | None = None
+        self.noting = True  # the next step's start notes the .grads (see _start)
+        self.grads_left = False  # a step noted had a .grad at its start
+        # keys of gradients found at arming on a step whose start was not noted
+        self.taken_unnoted: list[int] = []
         self.changed_early: list[int] = []  # keys of gradients changed in place before arming
         self._sampled = False  # this step is sampled (drawn before its start)
         state.listeners.on_clear.append(self.reset)
@@ -252,6 +261,7 @@ class UnseenUseCheck:
         self.totals.clear()
         self.sizes.clear()
         self.changed_early.clear()
+        self.taken_unnoted.clear()
         if self.compared:  # (compared on an armed step only)
             self.probes.clear()
             self.compared = False
@@ -261,13 +271,26 @@ class UnseenUseCheck:
         (which also times the step, when due), and note each parameter's ``.grad`` and its
         version, so that :meth:`_arm` can tell what autograd accumulated before it. The
         ``.grad`` s are held until the step's first captured gradient (one the loop drops
-        after its forward lives until then)."""
+        after its forward lives until then).
+
+        Noting is most of the check's cost on an unchecked step (reading a parameter's
+        ``.grad`` costs about 0.4 us in a training step), so it is skipped where the step is
+        not expected to be checked: not sampled, after a step whose structure was checked
+        already, in a loop whose steps noted so far all started without a ``.grad`` (one that
+        sets them to None). If such a step's structure is new after all, :meth:`_arm` counts a
+        ``.grad`` it finds as the step's own."""
         self._sampled = self.schedule.start()
+        if not (self._sampled or self.noting):
+            self._marks = None
+            return
         grads = list(map(_grad_of, self._params))
         self._marks = grads
         # (not grads.count(None): it compares with ==, a Tensor.__eq__ call per .grad)
-        self._versions = [None if g is None else g._version for g in grads] \
-            if any(map(operator.is_not, grads, self._nones)) else None
+        if any(map(operator.is_not, grads, self._nones)):
+            self._versions = [None if g is None else g._version for g in grads]
+            self.grads_left = True
+        else:
+            self._versions = None
 
     def due(self) -> bool:
         """Whether this step is checked. Asked by consumers before their backward and, through
@@ -281,6 +304,8 @@ class UnseenUseCheck:
             if self.decision:
                 self._arm()
             self._marks = []
+            # a next step of this structure is checked only if sampled (known at its start)
+            self.noting = self.decision or self.grads_left
         return self.decision
 
     def _arm(self) -> None:
@@ -295,14 +320,19 @@ class UnseenUseCheck:
         changed since the step's start (:meth:`_start`). A new ``.grad`` is that gradient, and
         is counted as if the hook had seen it; one changed in place (accumulated onto an older
         gradient) is not known: a nonzero one is reported as an unseen use by :meth:`verify`
-        (an in-place zeroing leaves zeros, nothing to count)."""
+        (an in-place zeroing leaves zeros, nothing to count). On a step whose start was not
+        noted (:meth:`_start`), every ``.grad`` is taken as new, as at the start of every step
+        noted so far."""
         start = time.perf_counter()
-        for i, ((p, hook), before) in enumerate(zip(self._hooks, self._marks)):
+        marks = self._marks
+        for i, (p, hook) in enumerate(self._hooks):
             if not p.requires_grad:
                 continue
             grad = p.grad
             if grad is not None:
-                if before is not grad:
+                if marks is None:
+                    self.taken_unnoted.append(id(p))
+                if marks is None or marks[i] is not grad:
                     hook(grad)
                 elif grad._version != self._versions[i] and bool(grad.detach().any()):
                     self.changed_early.append(id(p))
@@ -375,7 +405,8 @@ class UnseenUseCheck:
             if not self.rounding_explains(self.params[key], totals[i], values[i],
                                           float(bounds[i]), users.get(key, ())):
                 fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
-                raise_unseen(self.owners[key], users.get(key, ()), fraction)
+                raise_unseen(self.owners[key], users.get(key, ()), fraction,
+                             key in self.taken_unnoted)
         self.schedule.checked_one(captured_structure(self._state),
                                   seconds + self.hook_seconds + time.perf_counter() - start)
 
@@ -509,9 +540,12 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
     return total
 
 
-def raise_unseen(name: str, users: Sequence[str], fraction: float | None) -> None:
+def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
+                 taken_unnoted: bool = False) -> None:
     """``fraction``: the gap relative to the gradient; None for a gradient that autograd
-    accumulated in place before any hooked output's (:meth:`UnseenUseCheck._arm`)."""
+    accumulated in place before any hooked output's (:meth:`UnseenUseCheck._arm`);
+    ``taken_unnoted``: the parameter's ``.grad`` was taken as the step's own without a note
+    of the step's start (:meth:`UnseenUseCheck._start`)."""
     owners = " and ".join(f"'{u}'" for u in users) or "no hooked module"
     how = (f"its gradient differs by {fraction:.0%} from the hooked contributions"
            if fraction is not None else "autograd added to its .grad before any hooked "
@@ -523,7 +557,11 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None) -> Non
         "gradients would miss that term. Route the use through a module (call a module that "
         "holds the parameter, e.g. an nn.Linear whose weight is tied to it), or let the "
         "torch.func fallback handle the module whose forward makes that use as one unit: "
-        "add_hooks(model, units=['<module name>'])")
+        "add_hooks(model, units=['<module name>'])" + (
+            ". (Unless its .grad held a gradient from before this step: the check took it as "
+            "this step's, since every step it noted began with no .grad; if the loop keeps "
+            "gradients across steps, hook with check_unseen='always')" if taken_unnoted
+            else ""))
 
 
 def check_mode(check_unseen: CheckUnseen) -> Literal["sampled", "always"] | None:

@@ -1,10 +1,14 @@
 """The unseen-use check's schedule: the first step and every new captured structure, then
 sampled steps within a time budget; "always" and False (see per_sample_hooks.unseen)."""
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import per_sample_hooks as psh
+from ground_truth import loop_grads
 from per_sample_hooks.unseen import Schedule
 
 
@@ -140,6 +144,58 @@ def test_sampled_checks_run_in_a_training_loop():
         assert all(checked)
         assert state.unseen.schedule.check_seconds > 0
         assert state.unseen.schedule.step_seconds > 0
+
+
+class HeadSometimesFunctional(nn.Module):
+    """``functional``: ``head`` is not called, its weights are used by ``F.linear``: autograd
+    reaches them before any hooked output's gradient (and the structure is new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.functional = False
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return F.linear(h, self.head.weight, self.head.bias) if self.functional else self.head(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("zeroing", ["to none", "accumulate"])
+def test_a_new_structure_after_unchecked_steps(zeroing, dtype):
+    """An unchecked step's start notes no ``.grad`` in a loop that sets them to None (every
+    step noted so far began without one): a new structure after it takes a ``.grad`` found
+    when it is armed as the step's own, and reports the use reached before its hooks, saying
+    so. A loop that keeps gradients is noted on every step: the in-place accumulation is
+    reported as such, and a new structure without unseen use passes; grad1 exact."""
+    torch.manual_seed(0)
+    model = HeadSometimesFunctional().to(dtype)
+    x5, x6 = torch.randn(5, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x6.double()], lambda out: out.pow(2),
+                          len(x6))
+
+    def step(x, functional=False):
+        model.functional = functional
+        if zeroing == "to none":
+            model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+
+    with psh.add_hooks(model) as state:
+        state.unseen.schedule.budget = 0.0  # new structures only
+        step(x5)
+        step(x5)
+        assert state.unseen.noting == (zeroing == "accumulate")
+        how = ("its gradient differs by" if zeroing == "to none" else
+               r"autograd added to its \.grad before any hooked module's output received")
+        with pytest.raises(psh.PerSampleHooksError, match=rf"'head\.(weight|bias)'.*{how}") \
+                as error:
+            step(x5, functional=True)
+        assert ("took it as this step's" in str(error.value)) == (zeroing == "to none")
+        step(x6)  # new, no unseen use
+        assert state.unseen.schedule.checks == 2
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[name].to(dtype))
 
 
 def test_parameter_hooks_only_on_checked_steps():
