@@ -55,19 +55,20 @@ checked steps only (:meth:`UnseenUseCheck._arm`): a hook costs a Python call per
 per backward. The ``.grad`` of each parameter is noted at the start of the steps that may be
 checked, and of every step in a loop that keeps gradients across steps
 (:meth:`UnseenUseCheck._start`). In all, on the seed-003 MLP (six parameters, a step of
-0.4 ms, the worst case in ``benchmarks``) the check costs 1.5-1.6% of the step (two runs of
+0.4 ms, the worst case in ``benchmarks``) the check costs 1.6-1.8% of the step (three runs of
 ``benchmarks.check_cost``); on the other benchmark models, within their noise.
 
 It guarantees that every structure is checked before its per-sample quantities are returned (a
 step whose start was not noted takes each ``.grad`` it finds when armed as its own, as in every
 step noted so far; a loop that set the gradients to None on every step until then and keeps
-them on this one sees a report that says so). It does not guarantee that a use outside the
-modules that appears only on some steps of an already-checked structure (a branch taken now and
-then) is caught on the step it appears: it is caught at the next sampled check that sees it.
-``check_unseen="always"`` checks every step; ``False`` never. A step that computed no parameter
-gradient (``torch.autograd.grad`` for inputs only, the output-edge backward) cannot be checked:
-a check due on it stays due for the next step that can. Consumers ask
-:meth:`UnseenUseCheck.due` before their backward to choose an ordinary one on a check step.
+them on this one gets an unseen-use report that names this explanation). It does not guarantee
+that a use outside the modules that appears only on some steps of an already-checked structure
+(a branch taken now and then) is caught on the step it appears: it is caught at the next
+sampled check that sees it. ``check_unseen="always"`` checks every step; ``False`` never. A
+step that computed no parameter gradient (``torch.autograd.grad`` for inputs only, the
+output-edge backward) cannot be checked: a check due on it stays due for the next step that
+can. Consumers ask :meth:`UnseenUseCheck.due` before their backward to choose an ordinary one
+on a check step.
 """
 from __future__ import annotations
 
@@ -558,10 +559,9 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
         "holds the parameter, e.g. an nn.Linear whose weight is tied to it), or let the "
         "torch.func fallback handle the module whose forward makes that use as one unit: "
         "add_hooks(model, units=['<module name>'])" + (
-            ". (Unless its .grad held a gradient from before this step: the check took it as "
-            "this step's, since every step it noted began with no .grad; if the loop keeps "
-            "gradients across steps, hook with check_unseen='always')" if taken_unnoted
-            else ""))
+            ". Or its .grad held a gradient kept from before this step, which the check took "
+            "as this step's (every step it had noted began without one): the next step is "
+            "checked from its start" if taken_unnoted else ""))
 
 
 def check_mode(check_unseen: CheckUnseen) -> Literal["sampled", "always"] | None:

@@ -191,8 +191,35 @@ def test_a_new_structure_after_unchecked_steps(zeroing, dtype):
         with pytest.raises(psh.PerSampleHooksError, match=rf"'head\.(weight|bias)'.*{how}") \
                 as error:
             step(x5, functional=True)
-        assert ("took it as this step's" in str(error.value)) == (zeroing == "to none")
+        assert ("kept from before this step" in str(error.value)) == (zeroing == "to none")
         step(x6)  # new, no unseen use
+        assert state.unseen.schedule.checks == 2
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[name].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_loop_that_stops_setting_gradients_to_none_on_a_new_structure(dtype):
+    """The one case the unnoted start gets wrong, as documented: a loop that set the gradients
+    to None on every step keeps them on a new structure's step after an unchecked one. The
+    report names that explanation; the next step is checked from its start, and passes."""
+    torch.manual_seed(0)
+    model = HeadSometimesFunctional().to(dtype)
+    x5, x6 = torch.randn(5, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x6.double()], lambda out: out.pow(2),
+                          len(x6))
+    with psh.add_hooks(model) as state:
+        state.unseen.schedule.budget = 0.0
+        for _ in range(2):  # checked, then not
+            model.zero_grad(set_to_none=True)
+            model(x5).pow(2).sum().backward()
+            psh.compute_grad1(model, loss_type="sum")
+        model(x6).pow(2).sum().backward()  # the gradients of the last step kept
+        with pytest.raises(psh.PerSampleHooksError, match="a gradient kept from before this "
+                                                          "step, which the check took"):
+            psh.compute_grad1(model, loss_type="sum")
+        model(x6).pow(2).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
         assert state.unseen.schedule.checks == 2
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad1, expected[name].to(dtype))
