@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_unseen import FunctionalHead
 from torch import nn
 
 import per_sample_hooks as psh
@@ -146,20 +146,6 @@ def test_sampled_checks_run_in_a_training_loop():
         assert state.unseen.schedule.step_seconds > 0
 
 
-class HeadSometimesFunctional(nn.Module):
-    """``functional``: ``head`` is not called, its weights are used by ``F.linear``: autograd
-    reaches them before any hooked output's gradient (and the structure is new)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
-        self.functional = False
-
-    def forward(self, x):
-        h = torch.tanh(self.body(x))
-        return F.linear(h, self.head.weight, self.head.bias) if self.functional else self.head(h)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("zeroing", ["to none", "accumulate"])
 def test_a_new_structure_after_unchecked_steps(zeroing, dtype):
@@ -169,7 +155,7 @@ def test_a_new_structure_after_unchecked_steps(zeroing, dtype):
     so. A loop that keeps gradients is noted on every step: the in-place accumulation is
     reported as such, and a new structure without unseen use passes; grad1 exact."""
     torch.manual_seed(0)
-    model = HeadSometimesFunctional().to(dtype)
+    model = FunctionalHead(functional=False).to(dtype)
     x5, x6 = torch.randn(5, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype)
     expected = loop_grads(copy.deepcopy(model).double(), [x6.double()], lambda out: out.pow(2),
                           len(x6))
@@ -204,7 +190,7 @@ def test_a_loop_that_stops_setting_gradients_to_none_on_a_new_structure(dtype):
     to None on every step keeps them on a new structure's step after an unchecked one. The
     report names that explanation; the next step is checked from its start, and passes."""
     torch.manual_seed(0)
-    model = HeadSometimesFunctional().to(dtype)
+    model = FunctionalHead(functional=False).to(dtype)
     x5, x6 = torch.randn(5, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype)
     expected = loop_grads(copy.deepcopy(model).double(), [x6.double()], lambda out: out.pow(2),
                           len(x6))
