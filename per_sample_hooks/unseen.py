@@ -91,8 +91,9 @@ CheckUnseen = bool | Literal["always"]
 
 CHECK_BUDGET = 0.005
 """Fraction of the training time the sampled checks may take (on average). Small, because the
-work on unchecked steps already costs about 2% of the smallest benchmark model's 0.4 ms step
-(``benchmarks.check_cost``), and the whole check is meant to stay near 2%."""
+work on unchecked steps already costs about 1% of the smallest benchmark model's 0.4 ms step
+(the whole check 1.6-1.8%, ``benchmarks.check_cost``), and the whole check is meant to stay
+under 2%."""
 
 
 def relative_tolerance(dtype: torch.dtype) -> float:
