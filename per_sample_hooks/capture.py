@@ -197,11 +197,15 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     the base catches the gradient of the base (= of the view, reshaped) in the passes where
     the view's hook did not fire (the view's hook fires first when it fires at all). Each hook
     does its work in one Python frame: it runs for every captured call of every step, and is
-    added without a handle (:func:`add_tensor_hook`) unless ``compiling``.
+    added without a handle (:func:`add_tensor_hook`) unless ``compiling``. A None gradient (what
+    a node with several outputs, cuDNN's RNN, gives the hooks of those the loss did not use) is
+    no arrival.
     """
     register = Tensor.register_hook if compiling else add_tensor_hook
 
-    def arrived(grad: Tensor) -> None:
+    def arrived(grad: Tensor | None) -> None:
+        if grad is None:  # an unused output of a node with several (a cuDNN RNN's h_n)
+            return
         sink.append(grad)
         if owner is not None:
             if not owner.status.backward_seen:
@@ -216,17 +220,18 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
         register(leaf, arrived)
         return [arrived]
 
-    def view_hook(grad: Tensor) -> None:
-        fired[0] = True
+    def view_hook(grad: Tensor | None) -> None:
+        fired[0] = grad is not None
         arrived(grad)
 
     shape = leaf.shape
 
-    def base_hook(grad: Tensor) -> None:
+    def base_hook(grad: Tensor | None) -> None:
         if fired[0]:  # the view's own hook had it
             fired[0] = False
             return
-        arrived(grad.reshape(shape))
+        if grad is not None:
+            arrived(grad.reshape(shape))
 
     fired = [False]
     register(leaf, view_hook)

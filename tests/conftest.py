@@ -26,6 +26,11 @@ if "PSH_TEST_DEVICE" in os.environ:
         raise RuntimeError(f"PSH_TEST_DEVICE={TEST_DEVICE}: only 'cpu' and an available 'cuda' "
                            "device are supported")
     torch.set_default_device(TEST_DEVICE)
+    if TEST_DEVICE.type == "cuda":
+        # float32 is IEEE float32 here: TF32 (10 bits of mantissa), cuDNN's default for float32
+        # convolutions and RNNs, rounds their gradients ~1e-3, beyond the float32 tolerances
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 CPU_ONLY = {
     "test_distributed.py": "gloo processes on loopback, spawned without the default device",

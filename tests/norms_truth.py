@@ -136,7 +136,7 @@ def loop_grouped_clipping(grads: dict[str, Tensor], group_of: dict[str, int],
     _, inverse, sizes = torch.unique(ids, return_inverse=True, return_counts=True)
     grouped = {}
     for n, g in grads.items():
-        summed = g.new_zeros(len(sizes), *g.shape[1:]).index_add_(0, inverse, g)
+        summed = g.new_zeros(len(sizes), *g.shape[1:]).index_add_(0, inverse.to(g.device), g)
         grouped[n] = summed / sizes.to(g).view(-1, *[1] * (g.dim() - 1))
     flat = {n: g.flatten(1) for n, g in grouped.items()}
     total = torch.cat(list(flat.values()), 1).norm(dim=1)

@@ -326,7 +326,8 @@ def test_digits_example_runs_one_epoch():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     result = subprocess.run([sys.executable, os.path.join(root, "examples", "dp_sgd_digits.py"),
                              "--epochs", "1", "--threads", "1"], capture_output=True, text=True,
                             env=env, timeout=120)
@@ -490,9 +491,10 @@ def test_flat_buffers_are_views_kept_across_calls():
     views = buffers.like(tensors)
     assert [v.shape for v in views] == [t.shape for t in tensors]
     assert [v.dtype for v in views] == [t.dtype for t in tensors]
+    device = tensors[0].device  # the default device (PSH_TEST_DEVICE)
     assert {k: f.numel() for k, f in buffers.flats.items()} == {
-        (torch.float32, torch.device("cpu")): 14, (torch.float64, torch.device("cpu")): 5}
-    flat = buffers.flats[torch.float32, torch.device("cpu")]
+        (torch.float32, device): 14, (torch.float64, device): 5}
+    flat = buffers.flats[torch.float32, device]
     flat.copy_(torch.arange(14.0))
     assert views[0].flatten().tolist() == list(range(12)) and views[2].tolist() == [12, 13]
     assert buffers.like(tensors)[0].data_ptr() == views[0].data_ptr()  # reused

@@ -8,9 +8,12 @@ quantities come out in float32, computed in float32 from the bfloat16 values of 
 backward. Documented tolerance: against the float32 per-sample loop *without* autocast, each
 parameter's per-sample gradients (and the norms) agree to a relative Frobenius error below
 ``AUTOCAST_RTOL`` = 2e-2 (bfloat16 keeps 8 significant bits, relative rounding 2^-8 ~ 4e-3 per
-operation; a few layers compound it; observed at most 7.6e-3 on these models). bfloat16
-parameters give bfloat16 results within ``BF16_RTOL`` = 2e-2 of the float64 loop on the same
-(bfloat16-valued) weights (observed at most 6.6e-3).
+operation; a few layers compound it) beyond the error autocast itself makes there: that of
+autograd's own per-sample gradients, a loop under the same autocast. That own error is small
+on the CPU, but 5.6e-2 on the CNN's first convolution on an H100 (cuDNN's bfloat16 kernels),
+where ours are within 4.4e-3 of autograd's. bfloat16 parameters give bfloat16 results within
+``BF16_RTOL`` = 2e-2 of the float64 loop on the same (bfloat16-valued) weights beyond the error
+of autograd's own bfloat16 loop there.
 """
 from __future__ import annotations
 
@@ -30,6 +33,18 @@ BF16_RTOL = 2e-2
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.double()
     return float((got.double() - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def assert_within_precision(got: dict, exact: dict, autograd_own: dict, tolerance: float
+                            ) -> None:
+    """Each parameter's per-sample gradients ``got`` within ``tolerance`` (relative Frobenius)
+    of the ``exact`` loop's, beyond the error that autograd's own per-sample gradients in the
+    same precision (``autograd_own``) make there."""
+    for n in exact:
+        own = relative_error(autograd_own[n], exact[n])
+        error = relative_error(got[n], exact[n])
+        assert error < tolerance + own, \
+            f"{n}: relative error {error:.2e}, autograd's own in this precision {own:.2e}"
 
 
 class Reused(nn.Module):
@@ -78,12 +93,14 @@ def test_autocast_bfloat16_forward(index, loss_type):
             assert relative_error(reduced, p.grad) < AUTOCAST_RTOL, n
         psh.clip_grads(model, max_grad_norm=0.5, loss_type=loss_type)
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    for n in expected:
-        error = relative_error(got[n], expected[n])
-        assert error < AUTOCAST_RTOL, f"{n}: relative error {error:.2e}"
-    expected_norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    with torch.autocast(device_type=DEVICE_TYPE, dtype=torch.bfloat16):
+        autocast_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), len(x))
+    assert_within_precision(got, expected, autocast_loop, AUTOCAST_RTOL)
+    expected_norms, own_norms = (torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+                                 for grads in (expected, autocast_loop))
     assert norms.dtype == torch.float32
-    assert relative_error(norms, expected_norms) < AUTOCAST_RTOL
+    assert relative_error(norms, expected_norms) < AUTOCAST_RTOL + relative_error(
+        own_norms, expected_norms)
 
 
 def test_autocast_captures_are_not_kept_in_float32_twice():
@@ -124,10 +141,11 @@ def test_bfloat16_parameters(index, loss_type):
         got = {n: p.grad1.clone() for n, p in model.named_parameters()}
         assert all(g.dtype == torch.bfloat16 for g in got.values())
         assert norms.dtype == torch.bfloat16
+    bfloat16_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), len(x))
     model64 = model.double()  # the same bfloat16-valued weights, exactly, in float64
     expected = loop_grads(model64, [x.double()], weighted_square, len(x))
-    for n in expected:
-        error = relative_error(got[n], expected[n])
-        assert error < BF16_RTOL, f"{n}: relative error {error:.2e}"
-    expected_norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
-    assert relative_error(norms, expected_norms) < BF16_RTOL
+    assert_within_precision(got, expected, bfloat16_loop, BF16_RTOL)
+    expected_norms, own_norms = (torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+                                 for grads in (expected, bfloat16_loop))
+    assert relative_error(norms, expected_norms) < BF16_RTOL + relative_error(
+        own_norms, expected_norms)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_clipping_matches, assert_float32_matches, assert_norms_match
 from test_clipping import KEEP_FRACTIONS, keep_fraction
-from test_dtypes import AUTOCAST_RTOL, BF16_RTOL, relative_error
+from test_dtypes import AUTOCAST_RTOL, BF16_RTOL, DEVICE_TYPE, relative_error
 from torch import nn
 
 import per_sample_hooks as psh
@@ -223,7 +223,7 @@ def test_bfloat16(autocast):
     x = torch.randn(5, 4, 6)
     dtype = torch.float32 if autocast else torch.bfloat16
     model, x = model.to(dtype), x.to(torch.bfloat16).to(dtype)
-    with psh.add_hooks(model), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+    with psh.add_hooks(model), torch.autocast(DEVICE_TYPE, torch.bfloat16, enabled=autocast):
         out = model(x)
         assert out.dtype == torch.bfloat16
         weighted_square(out.float()).mean().backward()

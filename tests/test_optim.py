@@ -367,7 +367,8 @@ def test_a_few_steps_decrease_the_loss(fisher):
         pytest.skip("per_sample_hooks.curvature not there yet")
     precond = KFAC(model, damping=1e-2, factor_decay=0.9, inverse_freq=5, kl_clip=None,
                    factors=None if fisher else factor_source())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    # lr 0.1 spiked the loss on some draws of the data (CUDA's): 0.05 halved it on 8 of 8
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     losses = []
     for _ in range(20):
         optimizer.zero_grad()

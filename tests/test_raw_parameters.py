@@ -883,16 +883,17 @@ def test_linear_and_elementwise_uses_of_one_weight_and_the_batch_at_dim_one():
 def test_linear_uses_under_autocast():
     """A bfloat16 autocast forward of float32 parameters: the kept input of an F.linear comes
     out in the gradients' dtype; within test_dtypes' autocast tolerance of the float64 loop."""
-    from test_dtypes import AUTOCAST_RTOL, relative_error
+    from test_dtypes import AUTOCAST_RTOL, DEVICE_TYPE, assert_within_precision
     torch.manual_seed(0)
     model, x = LinearUses(), torch.randn(5, 2, 3)
-    with psh.add_hooks(model), torch.autocast("cpu", torch.bfloat16):
+    with psh.add_hooks(model), torch.autocast(DEVICE_TYPE, torch.bfloat16):
         out = model(x)
         assert out.dtype == torch.bfloat16
         weighted_square(out.float()).mean().backward()
         psh.compute_grad1(model)
         got = {n: p.grad1.clone() for n, p in model.named_parameters()}
     expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
-    for n in expected:
-        assert got[n].dtype == torch.float32
-        assert relative_error(got[n], expected[n]) < AUTOCAST_RTOL, n
+    with torch.autocast(DEVICE_TYPE, torch.bfloat16):
+        autocast_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), 5)
+    assert all(got[n].dtype == torch.float32 for n in expected)
+    assert_within_precision(got, expected, autocast_loop, AUTOCAST_RTOL)

@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, hooked_grads
+from ground_truth import assert_matches_loop, hooked_grads, without_cudnn
 from per_sample_hooks.capture import Call
 from per_sample_hooks.rules.recurrent import recurrent_input, unrolled_forward
 
@@ -67,8 +67,8 @@ def sample_initial_state(hx, i: int):
     if hx is None:
         return None
     if isinstance(hx, tuple):
-        return tuple(t[:, i:i + 1] for t in hx)
-    return hx[:, i:i + 1]
+        return tuple(t[:, i:i + 1].contiguous() for t in hx)
+    return hx[:, i:i + 1].contiguous()  # cuDNN takes no strided hx
 
 
 def loop_grads(model, x, lengths, hx, loss_fn, batch_first):
@@ -105,7 +105,8 @@ def check_against_loop(mode, batch, steps, input_size, hidden, num_layers, bidir
         hx = h0 if mode in ("RNN_TANH", "RNN_RELU", "GRU") else (
             h0, torch.randn(layers, batch, rnn.hidden_size, dtype=torch.float64))
     inputs = x if packing is None else pack_padded_sequence(
-        x, torch.tensor(lengths), batch_first=batch_first, enforce_sorted=packing == "sorted")
+        x, torch.tensor(lengths, device="cpu"), batch_first=batch_first,
+        enforce_sorted=packing == "sorted")
     loss_fn = sequence_loss(uses, batch_first)
     got = hooked_grads(model, [inputs, hx], loss_fn, loss_type)
     expected = loop_grads(model, x, lengths, hx, loss_fn, batch_first)
@@ -150,7 +151,8 @@ def test_unrolled_forward_reproduces_module(mode, packing, batch_first):
         x = x.transpose(0, 1)
     lengths = [5, 4, 2, 1] if packing == "sorted" else [2, 5, 1, 4]
     inputs = x if packing is None else pack_padded_sequence(
-        x, torch.tensor(lengths), batch_first=batch_first, enforce_sorted=packing == "sorted")
+        x, torch.tensor(lengths, device="cpu"), batch_first=batch_first,
+        enforce_sorted=packing == "sorted")
     h0 = torch.randn(4, 4, rnn.proj_size or rnn.hidden_size, dtype=torch.float64)
     c0 = torch.randn(4, 4, rnn.hidden_size, dtype=torch.float64)
     hx = (h0, c0) if isinstance(rnn, nn.LSTM) else h0
@@ -206,7 +208,7 @@ def test_packed_classifier_with_linear_head():
 
     model = PackedClassifier().double()
     x = torch.randn(6, 5, 3, dtype=torch.float64)  # [T, B, in]
-    lengths = torch.tensor([3, 6, 1, 6, 2])
+    lengths = torch.tensor([3, 6, 1, 6, 2], device="cpu")  # pack_padded_sequence's
     got = hooked_grads(model, [x, lengths], lambda y: (y ** 2).sum(1) + y[:, 0], batch_dim=1)
     for i, length in enumerate(lengths.tolist()):
         model.zero_grad()
@@ -306,7 +308,8 @@ def test_frozen_module_with_dropout_is_accepted():
 
 def test_dropout_in_eval_mode_is_exact():
     torch.manual_seed(0)
-    assert_matches_loop(Classifier(dropout=0.5).eval(), [torch.randn(4, 3, 5)])
+    with without_cudnn():
+        assert_matches_loop(Classifier(dropout=0.5).eval(), [torch.randn(4, 3, 5)])
 
 
 def test_batch_size_of_seq_first_and_packed_calls():
@@ -315,7 +318,8 @@ def test_batch_size_of_seq_first_and_packed_calls():
     h0 = torch.randn(1, 4, 3)
     rule = psh.rules.default_registry.lookup(rnn)
     assert rule.batch_size(rnn, Call((x, h0), {}, 2, 0, True)) == 4
-    packed = pack_padded_sequence(x, torch.tensor([7, 2, 5, 1]), enforce_sorted=False)
+    packed = pack_padded_sequence(x, torch.tensor([7, 2, 5, 1], device="cpu"),
+                                  enforce_sorted=False)
     assert rule.batch_size(rnn, Call((packed,), {"hx": h0}, 5, 0, True)) == 4
 
 

@@ -42,7 +42,7 @@ def case(cell: str, packed: bool, dtype: torch.dtype):
     torch.manual_seed(0)
     model = Classifier(cell, packed).to(dtype)
     x = torch.randn(len(LENGTHS), 4, 3, dtype=dtype)
-    lengths = torch.tensor(LENGTHS)
+    lengths = torch.tensor(LENGTHS, device="cpu")  # pack_padded_sequence takes CPU lengths
     if packed:  # a sample is its own sequence, unpadded
         samples = [(x[i:i + 1, :n].double(), lengths[i:i + 1]) for i, n in enumerate(LENGTHS)]
     else:

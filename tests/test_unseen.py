@@ -327,7 +327,9 @@ def test_rounding_of_a_saturated_attention_is_not_an_unseen_use(recompute):
     (exact_model(x64.double()) ** 2).mean().backward()
     exact = exact_model.blocks[3].self_attn.in_proj_weight.grad
     query_key = slice(0, 2 * 28)
-    assert exact[query_key].norm() < 1e-8 < 1e-2 < weight.grad[query_key].norm()  # rounding
+    assert exact[query_key].norm() < 1e-8
+    if weight.device.type == "cpu":  # CUDA's kernels give these rows exactly zero here
+        assert 1e-2 < weight.grad[query_key].norm()  # autograd's rounding
     assert (hooked.double() - exact).norm() < 1e-3 * exact.norm()  # the rule: exact
 
 

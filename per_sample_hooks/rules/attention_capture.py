@@ -18,7 +18,8 @@ False, so that its ops, ``linear`` among them, reach the mode one by one: torch'
 op for op, nothing recomputed or replaced. A call is captured only when everything is as
 expected (plain tensors, batched 3-D inputs, no ``bias_k`` / ``bias_v`` or static keys, one
 out-projection, in-projections covering each in-projection weight's rows once, no other
-torch-function mode active: it would see the ops instead of the functional forward whole);
+torch-function mode active but ``torch.set_default_device``'s: another would see the ops
+instead of the functional forward whole);
 otherwise, and under ``torch.compile``, its note is None and the rule recomputes the
 attention (:mod:`.attention`).
 """
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 IN_PROJECTION_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
@@ -161,7 +163,7 @@ class ProjectionCapture(TorchFunctionMode):
         if self.unchecked[0] is not func:
             self.unchecked = (func, _unchecked(func))
         unchecked = self.unchecked[1]
-        if unchecked is None or not _covered(arguments) or torch._C._len_torch_function_stack():
+        if unchecked is None or not _covered(arguments) or not _only_device_modes_below():
             # another mode below this one (the user's) is handed the functional forward whole
             return func(*args, **kwargs)
         self.call = _Forward(arguments)
@@ -172,6 +174,15 @@ class ProjectionCapture(TorchFunctionMode):
             call, self.call = self.call, None
         self.finished = call.result()
         return out
+
+
+def _only_device_modes_below() -> bool:
+    """Whether the torch-function modes below this one, if any, are all torch's default-device
+    mode (``torch.set_default_device``): it only places new tensors, so the functional forward
+    may reach it op by op."""
+    if not torch._C._len_torch_function_stack():
+        return True
+    return all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 class _Forward:

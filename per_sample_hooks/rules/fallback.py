@@ -24,8 +24,9 @@ packed sequences inside a unit (lengths that differ by sample) cannot be vmapped
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -275,6 +276,19 @@ class FallbackRule(Rule):
                     out[n].add_(g)
 
 
+@contextlib.contextmanager
+def without_cudnn(off: bool) -> Iterator[None]:
+    """cuDNN off (if ``off``) for the re-run of a unit with recurrent layers: its RNN has no
+    batching rule for ``torch.func.vmap``, takes no strided initial state and has no backward
+    in eval mode; torch's own RNN kernels run instead (the CPU has no cuDNN)."""
+    enabled = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = enabled and not off  # the user's other cuDNN flags kept
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = enabled
+
+
 def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                names: Sequence[str], scale: float) -> tuple[Tensor, ...]:
     """Per-sample gradients ``[B, *p.shape]`` of ``params[n]`` for ``n`` in ``names``, from one
@@ -334,7 +348,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), without_cudnn(bool(recurrent)):
             return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
                                                                                 cotangents)
     except (RuntimeError, ValueError, TypeError) as error:
@@ -355,7 +369,10 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
             "that branches on tensor values (`.item()`, `if mask.any():`, as attention-mask "
             "builders do) cannot be vmapped: make smaller modules units (units=), ones whose "
             "forward has no such branch, or give the branch's input from outside (e.g. an "
-            "attention mask built before the call)") from error
+            "attention mask built before the call)" + (
+                ". TorchScript functions in the forward (torch.jit.script) may not vmap on "
+                "CUDA: PYTORCH_JIT=0 in the environment runs them as Python"
+                if "TorchScript" in str(error) else "")) from error
     finally:
         for handle in handles:
             handle.remove()

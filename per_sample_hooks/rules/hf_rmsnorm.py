@@ -34,7 +34,6 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..capture import Call
@@ -84,9 +83,11 @@ class LlamaRMSNormRule(AffineNormRule):
     channels_first = False
 
     def normalize(self, module: nn.Module, call: Call, x: Tensor) -> Tensor:
-        # the forward's float32 numbers, bitwise on CPU (torch 2.13); rounding elsewhere
-        return F.rms_norm(x.to(torch.float32), x.shape[-1:], None,
-                          module.variance_epsilon).to(x.dtype)
+        # the forward's own ops, so its float32 numbers bitwise on every device (F.rms_norm's
+        # fused CUDA kernel rounds otherwise: 2e-5 relative in a float64 model's gradients)
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return (x32 * torch.rsqrt(variance + module.variance_epsilon)).to(x.dtype)
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         if not runs(module, llama_rms_norm_forward):
