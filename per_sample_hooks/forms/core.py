@@ -357,8 +357,9 @@ def _inner_supported(a: Form, b: Form) -> bool:
 def inner_products(a: Form, b: Form, batch: int) -> Tensor:
     """``[B]``: ``<g_b, h_b>`` of the per-sample gradients of two forms of one parameter, ``a``
     Dense or Rows and ``b`` Rows or Outer (one group of tensors), without materializing ``b``:
-    for entry ``e`` of rows against an outer product, ``sum_t grads[s_e, t, r_e]
-    (acts[s_e, t] . values_e)``, a chunk of entries at a time."""
+    rows against an outer product, ``sum_{e, t} grads[s, t, r_e] (acts[s, t] . values_e)``
+    over each sample's entries ``e``, its entries side by side (:func:`entries_by_sample`) and
+    a few samples at a time: one product ``acts @ values^T`` per chunk, not one per entry."""
     if isinstance(a, Dense):
         if isinstance(b, Rows):  # the dense gradient read at the entries' rows
             dense = a.per_sample.reshape(batch, b.num_rows, -1)
@@ -367,14 +368,31 @@ def inner_products(a: Form, b: Form, batch: int) -> Tensor:
         dense = a.per_sample.reshape(batch, b.grads.shape[3], b.acts.shape[3])  # [B, p, d]
         return (torch.bmm(b.grads[:, 0], dense) * b.acts[:, 0]).sum((1, 2))
     grads, acts = b.grads[:, 0], b.acts[:, 0]  # [B, T, p], [B, T, d]
-    result = a.values.new_zeros(batch)
-    step = max(1, ghost.CHUNK_ELEMENTS // (acts.shape[1] * acts.shape[2]))
-    for start in range(0, len(a.samples), step):
-        samples, rows = a.samples[start:start + step], a.rows[start:start + step]
-        along_acts = torch.linalg.vecdot(acts[samples], a.values[start:start + step, None])
-        picked = grads[samples, :, rows]  # [n, T]: each entry's row of its sample's grads
-        result.index_add_(0, samples, (along_acts * picked).sum(1))
-    return result
+    values, rows = entries_by_sample(a, batch)  # [B, E, d], [B, E]
+    positions, entries = acts.shape[1], rows.shape[1]
+    step = max(1, ghost.CHUNK_ELEMENTS // max(1, positions * entries))
+    result = []
+    for start in range(0, batch, step):
+        chunk = slice(start, start + step)
+        along_acts = torch.bmm(acts[chunk], values[chunk].transpose(1, 2))  # [n, T, E]
+        picked = grads[chunk].gather(2, rows[chunk, None].expand(-1, positions, -1))
+        result.append(torch.linalg.vecdot(along_acts.flatten(1), picked.flatten(1)))
+    return torch.cat(result) if result else values.new_zeros(0)
+
+
+def entries_by_sample(form: Rows, batch: int) -> tuple[Tensor, Tensor]:
+    """``(values [B, E, w], rows [B, E])``: each sample's entries side by side, ``E`` the most
+    any sample has; the others padded with zero values at row 0."""
+    counts = torch.bincount(form.samples, minlength=batch)
+    order = torch.sort(form.samples, stable=True).indices
+    samples = form.samples[order]
+    slot = torch.arange(len(samples), device=samples.device) - (counts.cumsum(0) - counts)[samples]
+    entries = int(counts.max()) if batch and len(samples) else 0
+    values = form.values.new_zeros(batch, entries, form.values.shape[1])
+    values[samples, slot] = form.values[order]
+    rows = form.rows.new_zeros(batch, entries)
+    rows[samples, slot] = form.rows[order]
+    return values, rows
 
 
 def summed_rows(form: Rows) -> tuple[Tensor, Tensor]:
