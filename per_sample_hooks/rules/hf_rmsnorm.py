@@ -83,7 +83,7 @@ class LlamaRMSNormRule(AffineNormRule):
     channels_first = False
 
     def normalize(self, module: nn.Module, call: Call, x: Tensor) -> Tensor:
-        # the forward's own ops, so its float32 numbers bitwise on every device (F.rms_norm's
+        # the forward's own ops, so its float32 numbers on every device (F.rms_norm's
         # fused CUDA kernel rounds otherwise: 2e-5 relative in a float64 model's gradients)
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
