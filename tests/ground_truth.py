@@ -1,7 +1,6 @@
 """The ground truth every rule is tested against: one plain-autograd pass per sample, float64."""
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -15,13 +14,6 @@ LossFn = Callable[[object], Tensor]  # model output -> per-sample losses [B]
 def seeded(seed: int) -> torch.Generator:
     """A generator on the default device (``PSH_TEST_DEVICE``, see conftest.py), seeded."""
     return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
-
-
-def without_cudnn(off: bool = True) -> contextlib.AbstractContextManager:
-    """cuDNN off if ``off`` (on CUDA; nothing changes on the CPU): its RNN has no backward in
-    eval mode ("cudnn RNN backward can only be called in training mode"), which tests of
-    eval-mode recurrent layers differentiate, as a GPU user of them must."""
-    return torch.backends.cudnn.flags(enabled=False) if off else contextlib.nullcontext()
 
 
 def sum_of_outputs(output: Tensor) -> Tensor:

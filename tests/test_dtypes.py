@@ -35,16 +35,20 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
-def assert_within_precision(got: dict, exact: dict, autograd_own: dict, tolerance: float
-                            ) -> None:
-    """Each parameter's per-sample gradients ``got`` within ``tolerance`` (relative Frobenius)
-    of the ``exact`` loop's, beyond the error that autograd's own per-sample gradients in the
-    same precision (``autograd_own``) make there."""
+def assert_within_precision(got: dict, exact: dict, autograd_own: dict, tolerance: float,
+                            norms: torch.Tensor | None = None) -> None:
+    """Each parameter's per-sample gradients ``got`` (and the per-sample ``norms``, if given)
+    within ``tolerance`` (relative Frobenius) of the ``exact`` loop's, beyond the error that
+    autograd's own per-sample gradients in the same precision (``autograd_own``) make there."""
     for n in exact:
         own = relative_error(autograd_own[n], exact[n])
         error = relative_error(got[n], exact[n])
         assert error < tolerance + own, \
             f"{n}: relative error {error:.2e}, autograd's own in this precision {own:.2e}"
+    if norms is not None:
+        expected, own = (torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+                         for grads in (exact, autograd_own))
+        assert relative_error(norms, expected) < tolerance + relative_error(own, expected)
 
 
 class Reused(nn.Module):
@@ -95,12 +99,8 @@ def test_autocast_bfloat16_forward(index, loss_type):
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     with torch.autocast(device_type=DEVICE_TYPE, dtype=torch.bfloat16):
         autocast_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), len(x))
-    assert_within_precision(got, expected, autocast_loop, AUTOCAST_RTOL)
-    expected_norms, own_norms = (torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
-                                 for grads in (expected, autocast_loop))
     assert norms.dtype == torch.float32
-    assert relative_error(norms, expected_norms) < AUTOCAST_RTOL + relative_error(
-        own_norms, expected_norms)
+    assert_within_precision(got, expected, autocast_loop, AUTOCAST_RTOL, norms)
 
 
 def test_autocast_captures_are_not_kept_in_float32_twice():
@@ -144,8 +144,4 @@ def test_bfloat16_parameters(index, loss_type):
     bfloat16_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), len(x))
     model64 = model.double()  # the same bfloat16-valued weights, exactly, in float64
     expected = loop_grads(model64, [x.double()], weighted_square, len(x))
-    assert_within_precision(got, expected, bfloat16_loop, BF16_RTOL)
-    expected_norms, own_norms = (torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
-                                 for grads in (expected, bfloat16_loop))
-    assert relative_error(norms, expected_norms) < BF16_RTOL + relative_error(
-        own_norms, expected_norms)
+    assert_within_precision(got, expected, bfloat16_loop, BF16_RTOL, norms)

@@ -7,8 +7,9 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, hooked_grads, without_cudnn
+from ground_truth import assert_matches_loop, hooked_grads
 from per_sample_hooks.capture import Call
+from per_sample_hooks.rules.fallback import without_cudnn
 from per_sample_hooks.rules.recurrent import recurrent_input, unrolled_forward
 
 MODES = ["RNN_TANH", "RNN_RELU", "LSTM", "LSTM_PROJ", "GRU"]
@@ -308,7 +309,7 @@ def test_frozen_module_with_dropout_is_accepted():
 
 def test_dropout_in_eval_mode_is_exact():
     torch.manual_seed(0)
-    with without_cudnn():
+    with without_cudnn():  # an eval-mode RNN differentiated, as a GPU user must
         assert_matches_loop(Classifier(dropout=0.5).eval(), [torch.randn(4, 3, 5)])
 
 

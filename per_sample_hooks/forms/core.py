@@ -384,15 +384,22 @@ def entries_by_sample(form: Rows, batch: int) -> tuple[Tensor, Tensor]:
     """``(values [B, E, w], rows [B, E])``: each sample's entries side by side, ``E`` the most
     any sample has; the others padded with zero values at row 0."""
     counts = torch.bincount(form.samples, minlength=batch)
-    order = torch.sort(form.samples, stable=True).indices
+    order, slot = side_by_side(form.samples, counts)
     samples = form.samples[order]
-    slot = torch.arange(len(samples), device=samples.device) - (counts.cumsum(0) - counts)[samples]
     entries = int(counts.max()) if batch and len(samples) else 0
     values = form.values.new_zeros(batch, entries, form.values.shape[1])
     values[samples, slot] = form.values[order]
     rows = form.rows.new_zeros(batch, entries)
     rows[samples, slot] = form.rows[order]
     return values, rows
+
+
+def side_by_side(ids: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """``(order, slot)``: entry ``order[k]`` (entries sorted by ``ids``, stably) is number
+    ``slot[k]`` of its id's; ``counts[i]`` entries have id ``i``."""
+    order = torch.sort(ids, stable=True).indices
+    slot = torch.arange(len(ids), device=ids.device) - (counts.cumsum(0) - counts)[ids[order]]
+    return order, slot
 
 
 def summed_rows(form: Rows) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .core import Dense, Form, Outer, Rows, Unfolded, features
+from .core import Dense, Form, Outer, Rows, Unfolded, features, side_by_side
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,7 @@ def row_groups(groups: Tensor | int, batch: int, caller: str) -> RowGroups:
                          f"row ({batch} rows), got dtype {groups.dtype}, shape "
                          f"{tuple(groups.shape)}")
     _, ids, sizes = torch.unique(groups.cpu(), return_inverse=True, return_counts=True)
-    order = torch.sort(ids, stable=True).indices
-    starts = torch.cumsum(sizes, 0) - sizes
-    position = torch.arange(batch, device="cpu") - starts[ids[order]]
+    order, position = side_by_side(ids, sizes)
     index = torch.full((len(sizes), int(sizes.max()) if batch else 0), batch, dtype=torch.long,
                        device="cpu")
     index[ids[order], position] = order

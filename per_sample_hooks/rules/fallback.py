@@ -277,12 +277,13 @@ class FallbackRule(Rule):
 
 
 @contextlib.contextmanager
-def without_cudnn(off: bool) -> Iterator[None]:
-    """cuDNN off (if ``off``) for the re-run of a unit with recurrent layers: its RNN has no
-    batching rule for ``torch.func.vmap``, takes no strided initial state and has no backward
-    in eval mode; torch's own RNN kernels run instead (the CPU has no cuDNN)."""
+def without_cudnn(off: bool = True) -> Iterator[None]:
+    """cuDNN off (if ``off``), the user's other cuDNN flags kept: for the re-run of a unit with
+    recurrent layers, since cuDNN's RNN has no batching rule for ``torch.func.vmap``, takes no
+    strided initial state and has no backward in eval mode ("cudnn RNN backward can only be
+    called in training mode"); torch's own RNN kernels run instead (the CPU has no cuDNN)."""
     enabled = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = enabled and not off  # the user's other cuDNN flags kept
+    torch.backends.cudnn.enabled = enabled and not off
     try:
         yield
     finally:
