@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from .capture import STATE_ATTRIBUTE, HookState, get_state, live_states, unwrap
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .quantities import KeptGrads
+from .reparametrized import reparametrization
 from .rules import RuleRegistry, default_registry
 from .rules.fallback import FallbackRule
 from .rules.raw_parameters import RawParameterRule, RawUsesOrFallbackRule
@@ -105,6 +106,14 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     With ``fallback=False`` modules with parameters, no rule and no children raise
     :class:`UnsupportedModuleError` instead.
 
+    A module whose weight is computed from its parameters before its forward uses it
+    (``torch.nn.utils.parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal`` and
+    any ``torch.nn.utils.parametrize`` parametrization; the deprecated
+    ``torch.nn.utils.weight_norm`` / ``spectral_norm``; a parameter added to a built-in layer)
+    is one unit of the fallback, exact: its rule would give the gradient of the weight, not of
+    the parameters it is computed from (:mod:`per_sample_hooks.reparametrized`). Apply them
+    before ``add_hooks``; with ``fallback=False`` they raise :class:`UnsupportedModuleError`.
+
     ``batch_dim``: where the batch is in the inputs and outputs of each module: an int for all,
     or ``{module or qualified name: int}`` applying to that module and its descendants (others:
     0). Attention, transformer and recurrent layers read it from their ``batch_first``.
@@ -159,6 +168,20 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             continue
         label = name or type(model).__name__
         rule = None if module in forced else registry.lookup(module)
+        reparametrized = None if module in forced else reparametrization(
+            module, rule and rule.parameter_names, rule is not None and rule.covers_children)
+        if reparametrized is not None and any(p.requires_grad for p in module.parameters()):
+            # only its forward sees how its weight is computed: one unit of the fallback
+            if not fallback:
+                raise UnsupportedModuleError(
+                    f"module '{label}' ({type(module).__name__}) {reparametrized}: its "
+                    "layer rule would give the gradient of the weight it computes, not of its "
+                    "parameters, and the torch.func fallback that follows the computation is "
+                    "off. Use add_hooks(model, fallback=True) (the module becomes one unit), "
+                    "freeze its parameters, or remove the reparametrization "
+                    "(torch.nn.utils.parametrize.remove_parametrizations)")
+            forced.add(module)
+            rule = None
         has_parameters = next(module.parameters(recurse=False), None) is not None
         if rule is None:
             if not (trainable_parameters(module) or module in forced or _frozen_parent(module)):

@@ -18,6 +18,7 @@ from .capture import STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
 from .errors import PerSampleHooksError
 from .forms import Form, contract_samples, project_sum, projection_cost
 from .quantities import KeptGrads, weighted_sum
+from .reparametrized import is_parametrized, reparametrization
 from .rules import Rule
 from .rules.base import describes_forms
 from .rules.fallback import unit_parameters
@@ -144,6 +145,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
         if rule.needs_parameter_values:
             refuse_sharded_values(module, name, rule, caller)
         params, dtype, frozen = _layer_parameters(state, module)
+        known = rule.parameter_names
+        if params and module not in state.units and (is_parametrized(module) or (
+                known is not None and not known.issuperset(params))):
+            raise PerSampleHooksError(
+                f"{caller}: '{name}' ({type(module).__name__}) "
+                f"{reparametrization(module, known)} since add_hooks, which gave it its "
+                "layer's rule: that rule gives the gradient of the weight the layer uses, not "
+                "of the parameters it is computed from. Reparametrize before add_hooks "
+                "(remove_hooks(model), then add_hooks(model): the module becomes one unit of "
+                "the torch.func fallback)")
         with_grads = []
         for call in calls:
             changed = call.modified_inputs()

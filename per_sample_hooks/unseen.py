@@ -86,6 +86,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .capture import Call, HookState, map_tensors
 from .errors import PerSampleHooksError
+from .reparametrized import power_iterations_off
 
 CheckUnseen = bool | Literal["always"]
 
@@ -525,7 +526,7 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
     buffers = {n: cast(b).clone() for n, b in module.named_buffers()}
     weight = params[name].requires_grad_()
     total = torch.zeros_like(weight)
-    with state.paused(), torch.enable_grad():
+    with state.paused(), torch.enable_grad(), power_iterations_off(module):
         for call in calls:
             leaves = [j for j, passes in enumerate(call.grads) if passes]
             args, kwargs = map_tensors(cast, (call.args, call.kwargs))  # aliasing kept

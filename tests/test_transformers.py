@@ -1,8 +1,9 @@
 """Real models as their users call them: tiny random-init transformers models (GPT-2 with tied
 embeddings and broadcast position ids, BERT with a padding mask, Llama with tied embeddings and
-grouped-query attention, ViT with its class token and position embeddings) and peft LoRA, exact
-against the float64 per-sample loop for grad1, norms, clipping and a DPSGD step; no module is
-a torch.func fallback unit."""
+grouped-query attention, ViT with its class token and position embeddings, wav2vec2 on raw
+audio) and peft LoRA, exact against the float64 per-sample loop for grad1, norms, clipping and
+a DPSGD step; no module is a torch.func fallback unit but wav2vec2's weight-normed positional
+convolution."""
 from __future__ import annotations
 
 import copy
@@ -75,6 +76,18 @@ def gpt2_lora() -> nn.Module:
     return model
 
 
+def wav2vec2() -> nn.Module:
+    """wav2vec2 for audio classification: convolutional feature encoder with GroupNorm, and a
+    positional convolution under ``parametrizations.weight_norm`` (a unit of the fallback)."""
+    config = transformers.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, num_labels=3, classifier_proj_size=8, hidden_dropout=0,
+        attention_dropout=0, activation_dropout=0, feat_proj_dropout=0, final_dropout=0,
+        layerdrop=0, mask_time_prob=0)
+    return transformers.Wav2Vec2ForSequenceClassification(config)
+
+
 def causal_lm_batch(generator: torch.Generator) -> dict[str, Tensor]:
     ids = torch.randint(0, VOCAB, (B, T), generator=generator)
     return {"input_ids": ids, "labels": ids}
@@ -93,10 +106,18 @@ def image_batch(generator: torch.Generator) -> dict[str, Tensor]:
             "labels": torch.randint(0, 3, (B,), generator=generator)}
 
 
+def audio_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    return {"input_values": torch.randn(B, 200, generator=generator),
+            "labels": torch.randint(0, 3, (B,), generator=generator)}
+
+
 MODELS = {"gpt2": (gpt2, causal_lm_batch), "bert": (bert, classification_batch),
           "llama": (llama, causal_lm_batch), "vit": (vit, image_batch),
           "clip-vision": (clip_vision, image_batch),
-          "gpt2-lora": (gpt2_lora, causal_lm_batch)}
+          "gpt2-lora": (gpt2_lora, causal_lm_batch), "wav2vec2": (wav2vec2, audio_batch)}
+UNITS = {"wav2vec2": ["wav2vec2.encoder.pos_conv_embed.conv"]}
+"""The fallback units of each model (a reparametrized weight: ``per_sample_hooks.reparametrized``);
+every other module has a native rule."""
 
 
 def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Tensor]]:
@@ -105,11 +126,15 @@ def build(name: str, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Tensor]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = make().to(dtype)
-    return model.train(), batch(seeded(1))
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch(seeded(1)).items()}
+    return model.train(), inputs
 
 
-def sample(batch: dict[str, Tensor], i: int) -> dict[str, Tensor]:
-    return {k: v[i:i + 1] for k, v in batch.items()}
+def sample(batch: dict[str, Tensor], i: int, dtype: torch.dtype | None = None
+           ) -> dict[str, Tensor]:
+    """Sample ``i`` of ``batch``, its floating-point tensors in ``dtype`` if given."""
+    return {k: v[i:i + 1].to(dtype) if dtype and v.is_floating_point() else v[i:i + 1]
+            for k, v in batch.items()}
 
 
 def loss_of(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -133,7 +158,8 @@ def loop_grads(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     rows = []
     for i in range(B):
-        grads = torch.autograd.grad(loss_of(model, sample(batch, i)), list(params.values()),
+        grads = torch.autograd.grad(loss_of(model, sample(batch, i, torch.float64)),
+                                    list(params.values()),
                                     allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(),
                                                                                grads)])
@@ -180,7 +206,7 @@ def test_grad1_norms_clip_match_the_loop(name: str, dtype: torch.dtype) -> None:
         clipped_norms = psh.clip_grads(model, max_grad_norm=0.5)
         clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         state = psh.add_hooks(model)
-        assert not state.units, "a native rule for each module"
+        assert [state.modules[unit][0] for unit in state.units] == UNITS.get(name, [])
     finally:
         psh.remove_hooks(model)
     expected = loop_grads(model, batch)

@@ -15,6 +15,9 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..forms import Dense, Form, write
 
+WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
+"""The parameters of most layers: :attr:`Rule.parameter_names` of their rules."""
+
 
 class Rule:
     """Per-sample math for one layer family.
@@ -37,6 +40,12 @@ class Rule:
     #: unit, as it does fallback units: its descendants are not hooked, its parameters are
     #: ``unit_parameters(module)`` and its outputs are isolated copies.
     covers_children: bool = False
+
+    #: The names of the module's own parameters the rule computes; None: any (a rule that
+    #: reads them off the module). A module with another parameter of its own (the deprecated
+    #: ``weight_norm``'s ``weight_g``) is a unit of the fallback instead
+    #: (:mod:`per_sample_hooks.reparametrized`).
+    parameter_names: frozenset[str] | None = None
 
     #: The weight's forms are ``Outer(output gradients, layer inputs)``, one per call, with any
     #: bias's ``Outer(output gradients)``: Kronecker factors (KFAC) are their second moments

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Form, Outer, Unfolded
-from .base import Rule, register_rule
+from .base import WEIGHT_AND_BIAS, Rule, register_rule
 
 PATCH_CHUNK_ELEMENTS = 1 << 20
 """Target size (in numbers) of the patch buffer built at once; 4 MB in float32."""
@@ -220,6 +220,7 @@ class ConvolutionRule(Rule):
     (:func:`weighted_weight_gradient`); the bias's is ``Outer(grads)`` of the output
     gradients."""
     needs_parameter_values = False  # shapes only: runs on FSDP2 shards
+    parameter_names = WEIGHT_AND_BIAS
 
     def operands(self, module: nn.Module, call: Call
                  ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], Sequence[int] | None]:

@@ -61,6 +61,7 @@ def refuse_frequency_scaling(module: nn.Module, name: str) -> None:
 class RowsRule(Rule):
     """Shared rule for layers whose weight gradient is ``forms.Rows`` (parameter
     ``weight`` only): one form per call."""
+    parameter_names = frozenset({"weight"})
 
     def rows(self, module: nn.Module, call: Call) -> Rows:
         raise NotImplementedError

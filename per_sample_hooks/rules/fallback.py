@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
+from ..reparametrized import power_iterations_off
 from .base import Rule
 
 HEADS = "heads"
@@ -349,7 +350,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
     try:
-        with torch.enable_grad(), without_cudnn(bool(recurrent)):
+        with torch.enable_grad(), without_cudnn(bool(recurrent)), power_iterations_off(module):
             return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
                                                                                 cotangents)
     except (RuntimeError, ValueError, TypeError) as error:

@@ -15,13 +15,14 @@ from torch import nn
 
 from ..capture import Call
 from ..forms import Form, one_group
-from .base import Rule, register_rule
+from .base import WEIGHT_AND_BIAS, Rule, register_rule
 from .linear import flatten_positions
 
 
 @register_rule("transformers.pytorch_utils:Conv1D")
 class HFConv1DRule(Rule):
     needs_parameter_values = False  # shapes only: runs on FSDP2 shards
+    parameter_names = WEIGHT_AND_BIAS
     kronecker = True
     weight_transposed = True  # KFAC factors of the weight as [nf, nx], a Linear's layout
 

@@ -27,7 +27,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form
-from .base import Rule, register_rule
+from .base import WEIGHT_AND_BIAS, Rule, register_rule
 
 
 def sums_channels_first(x_hat: Tensor | None, grads: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -53,6 +53,7 @@ class AffineNormRule(Rule):
     """Shared rule for ``y = normalize(x) * weight (+ bias)``; a subclass gives ``normalize``
     (from the module and one call's batch-first input) and the layout of its parameters."""
     needs_parameter_values = False  # shapes only: runs on FSDP2 shards
+    parameter_names = WEIGHT_AND_BIAS
 
     #: parameters run along dim 1 (``[B, C, *]``) rather than over the last dims
     channels_first: bool = True
