@@ -15,6 +15,7 @@ from .errors import PerSampleHooksError, UnsupportedModuleError
 from .quantities import KeptGrads
 from .reparametrized import reparametrization
 from .rules import RuleRegistry, default_registry
+from .rules.base import written_grad1
 from .rules.fallback import FallbackRule
 from .rules.raw_parameters import RawParameterRule, RawUsesOrFallbackRule
 from .sharded import with_full_values
@@ -314,7 +315,7 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
         out = {name: get(module, name, batch, p) for name, p in params.items()}
         if not empty:
             if layer.calls:
-                layer.rule.grad1(module, layer.calls, scale, out)
+                written_grad1(layer.rule, module, layer.calls, scale, out)
             else:  # the module's output did not reach the loss: its per-sample gradients are zero
                 for buf in out.values():
                     buf.zero_()

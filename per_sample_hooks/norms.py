@@ -21,6 +21,7 @@ from .errors import PerSampleHooksError
 from .forms import contract_samples
 from .forms.groups import RowGroups, regroup, row_groups
 from .quantities import KeptGrads, norms_squared, weighted_sum
+from .rules.base import written_grad1
 from .sharded import ShardedGrads, is_sharded, with_full_values
 from .step import (
     LayerWork,
@@ -234,7 +235,7 @@ def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads, shared: Cont
             buffer = keep.reserve(layer.module, name, batch)
             if buffer is None:
                 return
-            layer.rule.grad1(layer.module, layer.calls, 1.0, {name: buffer})
+            written_grad1(layer.rule, layer.module, layer.calls, 1.0, {name: buffer})
     for call in layer.calls:
         call.release()
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from . import forms
 from .capture import Call
 from .forms import contract_samples, sum_of_squares
-from .rules.base import Rule, describes_forms
+from .rules.base import Rule, describes_forms, written_grad1
 
 
 class KeptGrads:
@@ -79,7 +79,7 @@ def norms_squared(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: f
             param = module.get_parameter(name)
             kept = keep.reserve(module, name, batch) if keep is not None else None
             per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
-            rule.grad1(module, calls, 1.0, {name: per_sample})
+            written_grad1(rule, module, calls, 1.0, {name: per_sample})
             result[name] = sum_of_squares(per_sample).mul_(scale * scale)
         return result
     for name, parts in rule.forms(module, calls, names).items():
@@ -87,7 +87,7 @@ def norms_squared(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: f
             rule.forms_rerun or forms.materializes(parts)) else None
         if kept is not None:
             if own_grad1:  # the rule writes them better than its forms do
-                rule.grad1(module, calls, 1.0, {name: kept})
+                written_grad1(rule, module, calls, 1.0, {name: kept})
             else:
                 forms.write(kept, parts, 1.0)
             squared = sum_of_squares(kept)

@@ -20,7 +20,7 @@ from .forms import Form, contract_samples, project_sum, projection_cost
 from .quantities import KeptGrads, weighted_sum
 from .reparametrized import is_parametrized, reparametrization
 from .rules import Rule
-from .rules.base import describes_forms
+from .rules.base import describes_forms, written_grad1
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
@@ -255,7 +255,7 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
         call.cast_(dtype)
     out = {n: state.storage.get(module, f"formed {n}", batch, p, step_only=True)
            for n, p in params.items()}
-    rule.grad1(module, [call], 1.0, out)
+    written_grad1(rule, module, [call], 1.0, out)
     call.release()
     call.per_sample = out
 

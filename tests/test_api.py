@@ -3,6 +3,8 @@ and a clear error for each bad use."""
 import copy
 import io
 import pickle
+import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -386,6 +388,41 @@ def test_register_rule_frozen_parameter():
     model = UsesAffineTwice()
     model.affine.shift.requires_grad_(False)
     assert_matches_loop(model, [torch.randn(5, 4)])
+
+
+class ShapeSlip(psh.Rule):
+    """AffineGrad1Rule with a bug: it writes ``scale``'s rows summed over the features, which
+    ``torch.mul(out=)`` resizes its output to instead of refusing."""
+
+    def grad1(self, module, calls, scale, out):
+        x, g = calls[0].activation(), calls[0].backprop()
+        rows = {"scale": (g * x).sum(-1, keepdim=True), "shift": g}
+        for name, buf in out.items():
+            torch.mul(rows[name], scale, out=buf)
+
+
+SLIPPED = (r"ShapeSlip.grad1 left the buffer of AffineByGrad1's parameter 'scale' with shape "
+           r"\(5, 1\), not \(5, 4\)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_user_rule_that_resizes_its_buffer_is_refused(dtype):
+    """Before, grad1 had the wrong shape and the norms and the clipped sums were silently
+    wrong (the unseen-use check compared a contraction of the resized buffer)."""
+    registry = psh.RuleRegistry()
+    psh.register_rule(AffineByGrad1, registry)(ShapeSlip)
+    model = nn.Sequential(nn.Linear(4, 4), AffineByGrad1(4)).to(dtype)
+    psh.add_hooks(model, registry=registry)
+    try:
+        for verb in (psh.compute_grad1, psh.compute_norms, partial(psh.clip_grads,
+                                                                    max_grad_norm=1.0)):
+            model(torch.randn(5, 4, dtype=dtype)).sum().backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's own: "output ... was resized"
+                with pytest.raises(psh.PerSampleHooksError, match=SLIPPED):
+                    verb(model)
+    finally:
+        psh.remove_hooks(model)
 
 
 def test_register_rule_rejects_non_modules_and_non_rules():

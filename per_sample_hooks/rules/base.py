@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from torch import Tensor, nn
 
 from ..capture import Call
+from ..errors import PerSampleHooksError
 from ..forms import Dense, Form, write
 
 WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
@@ -83,7 +84,7 @@ class Rule:
         batch = self.batch_size(module, calls[0])
         out = {n: module.get_parameter(n).new_empty((batch, *module.get_parameter(n).shape))
                for n in names}
-        self.grad1(module, calls, 1.0, out)
+        written_grad1(self, module, calls, 1.0, out)
         return {n: [Dense(t)] for n, t in out.items()}
 
     def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
@@ -115,6 +116,25 @@ class Rule:
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
         cannot give exact per-sample quantities (``name`` is the module's path)."""
+
+
+def written_grad1(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: float,
+                  out: dict[str, Tensor]) -> None:
+    """``rule.grad1(module, calls, scale, out)``; for a rule that does not name its parameters
+    (a user's), each buffer is checked to have kept its shape: a write with ``out=`` of another
+    shape resizes the buffer, and norms and sums of it would be silently wrong."""
+    if rule.parameter_names is not None:  # the library's own, tested
+        rule.grad1(module, calls, scale, out)
+        return
+    shapes = {name: buffer.shape for name, buffer in out.items()}
+    rule.grad1(module, calls, scale, out)
+    for name, buffer in out.items():
+        if buffer.shape != shapes[name]:
+            raise PerSampleHooksError(
+                f"{type(rule).__name__}.grad1 left the buffer of {type(module).__name__}'s "
+                f"parameter '{name}' with shape {tuple(buffer.shape)}, not "
+                f"{tuple(shapes[name])} ([B, *parameter.shape]): a write with out= of another "
+                "shape resizes it. Write per-sample gradients of the parameter's shape")
 
 
 def describes_forms(rule: Rule) -> bool:
