@@ -47,7 +47,7 @@ class Call:
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "watched", "note", "hooks", "__weakref__")
+                 "watched", "note", "hooks", "parameters", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -68,6 +68,7 @@ class Call:
         self.watched: list[list[Tensor]] = []
         self.note: object = None
         self.hooks: list[weakref.ref] = []
+        self.parameters: list[tuple[str, Tensor, int]] | None = None
 
     @property
     def has_grads(self) -> bool:
@@ -161,6 +162,15 @@ class Call:
         """Positions of tensor inputs modified in place since the forward."""
         return [i for i, (a, v) in enumerate(zip(self.args, self.versions))
                 if v is not None and a._version != v]
+
+    def modified_parameter(self, module: nn.Module) -> str | None:
+        """The first of :attr:`parameters` (name, parameter, version at the forward, recorded
+        for a module whose rule reads their values) modified in place since the forward and
+        still ``module``'s (FSDP2 swaps in other tensors outside its forward), or None."""
+        for name, p, version in self.parameters or ():
+            if p._version != version and module.get_parameter(name) is p:
+                return name
+        return None
 
 
 def summed_passes(passes: list[Tensor]) -> Tensor:
@@ -496,6 +506,9 @@ class HookState:
         given_args, given_kwargs = args, kwargs
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
+        if self.rules[owner].needs_parameter_values and not compiling:
+            call.parameters = [(n, p, p._version)
+                               for n, p in owner.named_parameters(recurse=owner in self.units)]
         if status.batch is None:
             batch = self._batch_or_none(owner, call)
             if batch is not None and batch > 1:

@@ -164,6 +164,13 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                     "was modified in place after its forward; per-sample gradients would use "
                     "the modified values. Avoid the in-place op (e.g. inplace=False) or clone "
                     "the input")
+            modified = call.modified_parameter(module)
+            if modified is not None:
+                raise PerSampleHooksError(
+                    f"{caller}: parameter '{modified}' of '{name}' ({type(module).__name__}) "
+                    "was changed in place after the forward (an optimizer's step before "
+                    f"{caller}?). Its rule reads the parameters' values, so per-sample "
+                    f"gradients would use the new ones: call {caller} before the step")
             if not call.has_grads:
                 continue
             # under torch.autocast a module sees lower-precision tensors than its parameters:

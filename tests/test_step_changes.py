@@ -143,3 +143,53 @@ def test_kept_probes_follow_a_parameter_resized_in_between():
         model[2].bias.data = torch.randn(7)
     assert_exact(model, x, "always")
     psh.remove_hooks(model)
+
+
+class Recurrent(nn.Module):
+    """A Linear (its rule reads only shapes) before an LSTM and a Bilinear (the fallback), whose
+    per-sample gradients depend on their parameters' values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+        self.bilinear = nn.Bilinear(4, 4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lstm(self.linear(x))[0]
+        return self.bilinear(h, h)
+
+
+@pytest.mark.parametrize("verb", ["compute_grad1", "compute_norms", "clip_grads"])
+@pytest.mark.parametrize("check_unseen", CHECKS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_optimizer_step_before_compute_is_refused_then_exact(verb, check_unseen, dtype):
+    """``optimizer.step()`` between the backward and a ``compute_*`` call changes the values
+    that the LSTM's and the fallback's rules read: refused on every step (before, only a step
+    the unseen-use check compared noticed, as a use outside the module), naming the parameter;
+    the next step, in the right order, is exact. Only the layers whose rules read values are
+    watched: changing the Linear's weight alone is fine (its per-sample gradients do not
+    depend on it)."""
+    torch.manual_seed(0)
+    model = Recurrent().to(dtype)
+    x = torch.randn(4, 5, 3, dtype=dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compute = {"compute_grad1": psh.compute_grad1, "compute_norms": psh.compute_norms,
+               "clip_grads": lambda m, **kw: psh.clip_grads(m, 1.0, **kw)}[verb]
+    psh.add_hooks(model, check_unseen=check_unseen)
+    try:
+        for _ in range(3):  # the later steps are not compared by the default check
+            model(x).sum().backward()
+            optimizer.step()
+            with pytest.raises(psh.PerSampleHooksError,
+                               match=rf"{verb}: parameter 'weight_ih_l0' of 'lstm' \(LSTM\) was "
+                                     rf"changed in place after the forward .* before the step"):
+                compute(model, loss_type="sum")
+            optimizer.zero_grad()
+        model(x).sum().backward()
+        with torch.no_grad():
+            model.linear.weight.mul_(1.5)  # a value no rule reads
+        compute(model, loss_type="sum")
+    finally:
+        psh.remove_hooks(model)
+    assert_exact(model, x, check_unseen)

@@ -70,7 +70,9 @@ class Rule:
     #: The rule reads the parameters' values (not only their shapes): a re-run of the layer
     #: (fallback, attention, recurrence) or a weight product. On an FSDP2 (``fully_shard``)
     #: model, whose parameters are shards outside the forward, the ``compute_*`` calls gather
-    #: the full values for such a rule (``sharded.with_full_values``).
+    #: the full values for such a rule (``sharded.with_full_values``). Their versions are
+    #: recorded at each forward, and a change in place before ``compute_*`` (an optimizer's
+    #: step) is refused.
     needs_parameter_values: bool = True
 
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
