@@ -1,7 +1,8 @@
 """Real models as their users call them: tiny random-init transformers models (GPT-2 with tied
 embeddings and broadcast position ids, BERT with a padding mask, Llama with tied embeddings and
 grouped-query attention, ViT with its class token and position embeddings, wav2vec2 on raw
-audio) and peft LoRA, exact against the float64 per-sample loop for grad1, norms, clipping and
+audio, ALBERT's shared layers, DistilBERT, BLOOM's ALiBi, GPT-NeoX, Phi, Gemma, ConvNeXt's
+LayerScale) and peft LoRA, exact against the float64 per-sample loop for grad1, norms, clipping and
 a DPSGD step; no module is a torch.func fallback unit but wav2vec2's weight-normed positional
 convolution."""
 from __future__ import annotations
@@ -76,6 +77,63 @@ def gpt2_lora() -> nn.Module:
     return model
 
 
+def albert() -> nn.Module:
+    """One layer's parameters shared by every layer (a module called several times)."""
+    config = transformers.AlbertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=32, embedding_size=8, vocab_size=VOCAB,
+                                       max_position_embeddings=16, num_labels=3,
+                                       hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                                       classifier_dropout_prob=0)
+    return transformers.AlbertForSequenceClassification(config)
+
+
+def distilbert() -> nn.Module:
+    config = transformers.DistilBertConfig(dim=16, n_layers=2, n_heads=2, hidden_dim=32,
+                                           vocab_size=VOCAB, max_position_embeddings=16,
+                                           num_labels=3, dropout=0, attention_dropout=0,
+                                           seq_classif_dropout=0)
+    return transformers.DistilBertForSequenceClassification(config)
+
+
+def bloom() -> nn.Module:
+    """ALiBi position biases, word-embedding LayerNorm, tied head."""
+    config = transformers.BloomConfig(hidden_size=16, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                      hidden_dropout=0, attention_dropout=0)
+    return transformers.BloomForCausalLM(config)
+
+
+def gpt_neox() -> nn.Module:
+    """Rotary embeddings on part of each head, parallel residual."""
+    config = transformers.GPTNeoXConfig(hidden_size=16, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=32,
+                                        vocab_size=VOCAB, max_position_embeddings=16,
+                                        hidden_dropout=0, attention_dropout=0)
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def phi() -> nn.Module:
+    config = transformers.PhiConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=32, vocab_size=VOCAB,
+                                    max_position_embeddings=16, resid_pdrop=0, embd_pdrop=0,
+                                    attention_dropout=0)
+    return transformers.PhiForCausalLM(config)
+
+
+def gemma() -> nn.Module:
+    """RMSNorm scaled by ``1 + weight``, embeddings scaled by sqrt(hidden), tied head."""
+    config = transformers.GemmaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=8, intermediate_size=32,
+                                      vocab_size=VOCAB, max_position_embeddings=16)
+    return transformers.GemmaForCausalLM(config)
+
+
+def convnext() -> nn.Module:
+    """Depthwise 7x7 convolutions, channels-last LayerNorm, LayerScale gammas (raw)."""
+    config = transformers.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+                                         num_labels=3, drop_path_rate=0)
+    return transformers.ConvNextForImageClassification(config)
+
+
 def wav2vec2() -> nn.Module:
     """wav2vec2 for audio classification: convolutional feature encoder with GroupNorm, and a
     positional convolution under ``parametrizations.weight_norm`` (a unit of the fallback)."""
@@ -114,7 +172,12 @@ def audio_batch(generator: torch.Generator) -> dict[str, Tensor]:
 MODELS = {"gpt2": (gpt2, causal_lm_batch), "bert": (bert, classification_batch),
           "llama": (llama, causal_lm_batch), "vit": (vit, image_batch),
           "clip-vision": (clip_vision, image_batch),
-          "gpt2-lora": (gpt2_lora, causal_lm_batch), "wav2vec2": (wav2vec2, audio_batch)}
+          "gpt2-lora": (gpt2_lora, causal_lm_batch), "wav2vec2": (wav2vec2, audio_batch),
+          "albert": (albert, classification_batch),
+          "distilbert": (distilbert, classification_batch),
+          "bloom": (bloom, causal_lm_batch), "gpt-neox": (gpt_neox, causal_lm_batch),
+          "phi": (phi, causal_lm_batch), "gemma": (gemma, causal_lm_batch),
+          "convnext": (convnext, image_batch)}
 UNITS = {"wav2vec2": ["wav2vec2.encoder.pos_conv_embed.conv"]}
 """The fallback units of each model (a reparametrized weight: ``per_sample_hooks.reparametrized``);
 every other module has a native rule."""
@@ -166,7 +229,7 @@ def loop_grads(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
 
 
-FLOAT32_INSIDE = {"llama"}
+FLOAT32_INSIDE = {"llama", "gemma"}
 """Models that compute in float32 whatever their dtype (LlamaRMSNorm upcasts to float32 and
 casts back; the rotary embedding is float32): in float64 their plain batch gradient itself
 differs from the mean of the loop's by about 5e-8 of its largest entry."""
