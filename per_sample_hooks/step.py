@@ -207,7 +207,11 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "ids) is handled when called with batch size 1 after some module saw the batch, "
             "`pos_emb(torch.arange(T)[None])`; called without the batch dim, "
             "`pos_emb(torch.arange(T))`, or before any module saw the batch, it mixes the "
-            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`"
+            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`, "
+            "or, in code you do not change (the relative position biases of transformers' T5, "
+            "BEiT, Swin), make the module that adds its output to the batch's (an attention "
+            "layer, a transformer block) one unit of the torch.func fallback, "
+            "add_hooks(model, units=[...])"
             + ("" if merged is None else
                f". '{merged}' saw a multiple of the batch {step_batch}: samples merged into "
                "its batch dim (`x.view(B * T, H)`, windows or patches folded into the batch) "

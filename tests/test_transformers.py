@@ -370,6 +370,54 @@ def test_deberta_relative_embeddings_are_refused_and_exact_as_a_unit(dtype) -> N
     assert_rows_close(got, loop_grads(model, batch), dtype, "deberta-v2")
 
 
+def beit() -> nn.Module:
+    config = transformers.BeitConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, image_size=8, patch_size=4,
+                                     num_labels=3, use_relative_position_bias=True,
+                                     hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                                     drop_path_rate=0)
+    return transformers.BeitForImageClassification(config)
+
+
+def swin() -> nn.Module:
+    config = transformers.SwinConfig(image_size=8, patch_size=2, embed_dim=8, depths=[1, 1],
+                                     num_heads=[2, 2], window_size=2, num_labels=3,
+                                     hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                                     drop_path_rate=0)
+    return transformers.SwinForImageClassification(config)
+
+
+RELATIVE_BIASES = {  # model, the module refused, the units that make it exact
+    "beit": (beit, "beit.layers.0.relative_position_bias", lambda m: list(m.beit.layers)),
+    "swin": (swin, "swin.encoder.layers.0.blocks.0.attention.relative_position_bias",
+             lambda m: list(m.swin.encoder.layers)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(RELATIVE_BIASES))
+def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) -> None:
+    """BEiT's and Swin's attention adds a bias looked up in a trainable table without the
+    batch (Swin's windows are folded into the batch too): compute_* refuses naming the module
+    and ``units=``; their layers as units are exact."""
+    make, refused, units = RELATIVE_BIASES[name]
+    torch.manual_seed(0)
+    model = make().to(dtype).train()
+    batch = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in image_batch(seeded(1)).items()}
+    try:
+        psh.add_hooks(model)
+        loss_of(model, batch).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=rf"1 \(at '{refused}'\).*units="):
+            psh.compute_grad1(model)
+        psh.remove_hooks(model)
+        psh.add_hooks(model, units=units(model))
+        got = grad1_rows(model, batch)
+    finally:
+        psh.remove_hooks(model)
+    assert_rows_close(got, loop_grads(model, batch), dtype, name)
+
+
 def opt() -> nn.Module:
     """OPT flattens ``[B, T, H]`` to ``[B * T, H]`` before its MLP: its decoder layers are
     units of the fallback."""
