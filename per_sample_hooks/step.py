@@ -93,6 +93,16 @@ def _layer_parameters(state: HookState, module: nn.Module
     return params, dtype, frozen
 
 
+def reparametrized_since_hooks(state: HookState, module: nn.Module,
+                               params: dict[str, nn.Parameter]) -> bool:
+    """Whether ``module``, which ``add_hooks`` gave its layer's rule, has been parametrized
+    since, or has trainable parameters the rule does not compute (``per_sample_hooks.
+    reparametrized``; a few dict lookups: this runs every step)."""
+    known = state.rules[module].parameter_names
+    return bool(params) and module not in state.units and (is_parametrized(module) or (
+        known is not None and not known.issuperset(params)))
+
+
 def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
     """Check what was captured and pair each hooked module with its rule and calls.
 
@@ -145,16 +155,14 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
         if rule.needs_parameter_values:
             refuse_sharded_values(module, name, rule, caller)
         params, dtype, frozen = _layer_parameters(state, module)
-        known = rule.parameter_names
-        if params and module not in state.units and (is_parametrized(module) or (
-                known is not None and not known.issuperset(params))):
+        if reparametrized_since_hooks(state, module, params):
             raise PerSampleHooksError(
                 f"{caller}: '{name}' ({type(module).__name__}) "
-                f"{reparametrization(module, known)} since add_hooks, which gave it its "
-                "layer's rule: that rule gives the gradient of the weight the layer uses, not "
-                "of the parameters it is computed from. Reparametrize before add_hooks "
-                "(remove_hooks(model), then add_hooks(model): the module becomes one unit of "
-                "the torch.func fallback)")
+                f"{reparametrization(module, rule.parameter_names)} since add_hooks, which gave "
+                "it its layer's rule: that rule gives the gradient of the weight the layer "
+                "uses, not of the parameters it is computed from. Reparametrize before "
+                "add_hooks (remove_hooks(model), then add_hooks(model): the module becomes one "
+                "unit of the torch.func fallback)")
         with_grads = []
         for call in calls:
             changed = call.modified_inputs()
@@ -253,9 +261,9 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
         return  # FSDP2 shards: formed by the compute_* call, which gathers the values
     held = call.grads[0][0].numel() + sum(a.numel() for a in call.args if isinstance(a, Tensor))
     batch = rule.batch_size(module, call)
-    if not params or batch == 0 or \
+    if not params or batch == 0 or reparametrized_since_hooks(state, module, params) or \
             FORM_RATIO * batch * sum(p.numel() for p in params.values()) > held:
-        return
+        return  # (reparametrized: refused by prepare_step, with the record intact)
     name = state.modules[module][0]
     try:
         rule.check(module, [call], name)

@@ -229,3 +229,25 @@ def test_a_parametrization_below_a_rule_that_covers_children(dtype: torch.dtype)
     assert got.keys() == grads.keys()
     for n in got:
         torch.testing.assert_close(got[n].double(), grads[n], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "deprecated weight_norm"])
+def test_reparametrized_after_add_hooks_is_not_formed_on_arrival(kind: str) -> None:
+    """``OutputEdges(form_on_arrival=True)`` (DPSGD's backward, on a step the unseen-use check
+    does not compare) leaves such a layer's record alone (its rule would write into buffers of
+    ``weight_g``'s shape: a RuntimeError inside the backward), and the ``compute_*`` call
+    refuses it as above."""
+    from per_sample_hooks.dp import OutputEdges
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2), nn.Flatten(), nn.Linear(32, 2)).double()
+    x = torch.randn(BATCH, 16, 4, generator=seeded(3)).double()
+    psh.add_hooks(model, check_unseen=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            KINDS[kind](model[0])
+        OutputEdges(model, form_on_arrival=True).backward(weighted_square(model(x)).mean())
+        with pytest.raises(PerSampleHooksError, match=r"'0' .* since add_hooks"):
+            psh.clip_grads(model, 1.0)
+    finally:
+        psh.remove_hooks(model)
