@@ -209,7 +209,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     does its work in one Python frame: it runs for every captured call of every step, and is
     added without a handle (:func:`add_tensor_hook`) unless ``compiling``. A None gradient (what
     a node with several outputs, cuDNN's RNN, gives the hooks of those the loss did not use) is
-    no arrival.
+    no arrival. A gradient that requires grad (a backward with ``create_graph=True``) is noted
+    in ``owner.status.create_graph``.
     """
     register = Tensor.register_hook if compiling else add_tensor_hook
 
@@ -218,6 +219,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
             return
         sink.append(grad)
         if owner is not None:
+            if grad.requires_grad:
+                owner.status.create_graph = True
             if not owner.status.backward_seen:
                 owner.status.backward_seen = True
                 for notify in owner.listeners.on_backward:
@@ -393,6 +396,8 @@ class StepStatus:
     batch: int | None = None  # the first batch size > 1 captured in this step
     # the first module called with batch size 1, on an input with a gradient, after a batch
     shared_computation: str | None = None
+    # a captured gradient that requires grad: a backward with create_graph=True ran through it
+    create_graph: bool = False
 
 
 @dataclass

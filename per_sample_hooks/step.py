@@ -132,6 +132,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "accumulation): the rows of different micro-batches would be added sample by "
             f"sample. Call {caller} after each backward (clone the results to keep them), or "
             "clear_backprops(model) before each micro-batch you do not need")
+    if status.create_graph:
+        raise PerSampleHooksError(
+            f"{caller}: a backward pass of this step built the graph of its gradients "
+            "(create_graph=True: a gradient penalty, meta-learning, a Hessian-vector product) "
+            "through hooked modules. Per-sample gradients of a loss that contains gradients are "
+            "not products of the captured inputs and output gradients (the second-order terms "
+            "reach the parameters through the backward's own graph), and the captured passes "
+            "would be summed as if each were a loss of its own: not supported. Take such "
+            "per-sample gradients with torch.func (vmap of grad), or run that backward on an "
+            "unhooked copy of the model")
     if status.released_by is not None:
         raise PerSampleHooksError(
             f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "
