@@ -47,7 +47,7 @@ class Call:
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "watched", "note", "hooks", "parameters", "__weakref__")
+                 "watched", "note", "hooks", "parameters", "recomputed", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -69,6 +69,7 @@ class Call:
         self.note: object = None
         self.hooks: list[weakref.ref] = []
         self.parameters: list[tuple[str, Tensor, int]] | None = None
+        self.recomputed = False  # recorded during a backward (activation checkpointing)
 
     @property
     def has_grads(self) -> bool:
@@ -182,6 +183,15 @@ def _isolated(leaf: object) -> object:
     return leaf.clone() if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward: a forward then is a recomputation of
+    activation checkpointing (``torch.utils.checkpoint``, transformers'
+    ``gradient_checkpointing_enable``), not a new micro-batch. Reentrant checkpointing runs
+    the forward without grad (nothing recorded) and records the recomputed call, whose outputs
+    get the gradients; non-reentrant records both, and the recomputed one gets none."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _inside_torch_func(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
     module's forward, or the user's own transforms) are not steps and are not recorded. Under
@@ -225,8 +235,11 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
                 owner.status.backward_seen = True
                 for notify in owner.listeners.on_backward:
                     notify()
-            if call is not None and owner.listeners.on_gradient is not None:
-                owner.listeners.on_gradient(*call)
+            if call is not None:
+                if call[1].recomputed:  # reentrant checkpointing's recomputed outputs
+                    owner.reentrant_checkpointing = True
+                if owner.listeners.on_gradient is not None:
+                    owner.listeners.on_gradient(*call)
 
     base = gradient_tensor(leaf)
     if base is leaf:  # the hook itself: one frame per arrival
@@ -429,7 +442,9 @@ class HookState:
     (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`); ``unseen`` (the
     unseen-use check, opaque here).
     Changing: ``calls`` and ``status`` (this step's), ``storage`` (buffers), ``enabled``
-    (pausing capture), ``listeners`` (add-ons' callbacks) and ``sharded_of`` (FSDP2).
+    (pausing capture), ``listeners`` (add-ons' callbacks), ``sharded_of`` (FSDP2) and
+    ``reentrant_checkpointing`` (set once a call recorded during a backward, a recomputation of
+    reentrant activation checkpointing, received a gradient).
 
     Inputs broadcast over the batch (``broadcast``): a call with batch size 1 in a step whose
     earlier calls saw a batch ``B > 1`` (transformers' position ids ``[1, T]``, a shared
@@ -463,6 +478,9 @@ class HookState:
         # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
         self.sharded_of: dict[int, Tensor] | None = None
         self.handles: list[Any] = []
+        # a call recorded during a backward received a gradient: the model uses reentrant
+        # activation checkpointing, through which no backward to given inputs can run
+        self.reentrant_checkpointing = False
         # how many captured hooks autograd freed since the last drop_unreachable (a weakref
         # callback counts them: the records are scanned only after some graph went away)
         self._graphs_freed = [0]
@@ -506,11 +524,13 @@ class HookState:
         if status.consumed:
             self._new_step()
             status = self.status
-        elif status.backward_seen and status.forward_after_backward is None:
+        in_backward = not compiling and _in_backward()
+        if status.backward_seen and status.forward_after_backward is None and not in_backward:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
         given_args, given_kwargs = args, kwargs
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
+        call.recomputed = in_backward
         if self.rules[owner].needs_parameter_values and not compiling:
             call.parameters = [(n, p, p._version)
                                for n, p in owner.named_parameters(recurse=owner in self.units)]

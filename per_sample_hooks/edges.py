@@ -95,19 +95,32 @@ class OutputEdges:
 
     def backward(self, loss: Tensor) -> None:
         """Backpropagate ``loss`` to the recorded outputs only (an ordinary ``loss.backward()``
-        on a step the unseen-use check runs); forget the records."""
+        on a step the unseen-use check runs, and through reentrant activation checkpointing,
+        which refuses a backward to given tensors); forget the records."""
         if not self.edges:
             raise PerSampleHooksError(
                 "backward: no output of a hooked module was recorded since the last backward; "
                 "run the forward pass with grad enabled first")
         edges = self.take()
-        if self.check_due():
+        if self.check_due() or self._state.reentrant_checkpointing:
             loss.backward()
             return
         if self.form_on_arrival:
             self._state.listeners.on_gradient = partial(form_on_arrival, self._state)
         try:
             torch.autograd.backward(loss, inputs=edges)
+        except RuntimeError as error:
+            if "use_reentrant=True" not in str(error):
+                raise
+            self._state.reentrant_checkpointing = True
+            self._state.end_step()  # the next forward starts a new step
+            raise PerSampleHooksError(
+                "backward: the model uses reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True), which cannot backpropagate "
+                "to given tensors, as this output-edge backward does: this step is lost. The "
+                "next ones take an ordinary backward; use_reentrant=False keeps the faster one "
+                "(transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs"
+                "={'use_reentrant': False}))") from error
         finally:
             self._state.listeners.on_gradient = None
 

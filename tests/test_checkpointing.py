@@ -1,0 +1,107 @@
+"""Activation checkpointing (``torch.utils.checkpoint``, reentrant and not): the forward that
+the backward recomputes is not a second micro-batch. Reentrant checkpointing runs the forward
+without grad and records the recomputed call, whose outputs receive the gradients;
+non-reentrant records the forward's call and the recomputed one receives none. Every quantity
+against the float64 per-sample loop (taken without checkpointing), float32 and float64, over
+steps the unseen-use check compares and steps it does not. Before, every step was refused as
+"a forward pass after a backward pass"."""
+from __future__ import annotations
+
+import pytest
+import torch
+from norms_truth import loop_clipped, loop_norms
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import per_sample_hooks as psh
+from ground_truth import seeded, weighted_square
+from per_sample_hooks.dp import OutputEdges
+
+
+class Checkpointed(nn.Module):
+    """A Linear, then a block (Linear, LayerNorm, Tanh, Linear) under checkpointing, then a
+    head; ``reentrant=None`` runs the block plainly (the loop's ground truth)."""
+
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Linear(3, 6)
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        if self.reentrant is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h))
+
+
+def truth(model: Checkpointed, x: Tensor, loss_type: str) -> tuple[Tensor, dict, dict]:
+    """(total norms, per-parameter norms, per-sample gradients) of the loop, in float64,
+    without checkpointing (reentrant checkpointing refuses ``autograd.grad``)."""
+    reentrant, model.reentrant = model.reentrant, None
+    try:
+        return loop_norms(model.double(), [x.double()], weighted_square, loss_type)
+    finally:
+        model.reentrant = reentrant
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_steps_are_exact(reentrant: bool, dtype: torch.dtype, loss_type: str
+                                      ) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).to(dtype)
+    x = torch.randn(5, 3, generator=seeded(1)).to(dtype)
+    with psh.add_hooks(model):
+        for _ in range(4):  # the first steps are compared by the unseen-use check, later ones not
+            model.zero_grad(set_to_none=True)
+            losses = weighted_square(model(x))
+            (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+            psh.compute_grad1(model, loss_type=loss_type)
+            grad1 = {n: p.grad1.clone() for n, p in model.named_parameters()}
+            norms = psh.compute_norms(model, loss_type=loss_type, per_param=True)
+            psh.clip_grads(model, 0.1, loss_type=loss_type)
+            clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    total, per_param, grads = truth(model, x, loss_type)
+    expected_clipped = loop_clipped(grads, total, 0.1, loss_type)
+    assert grad1.keys() == grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grad1[n].double(), grads[n], **tolerance(dtype))
+        torch.testing.assert_close(norms[n].double(), per_param[n], **tolerance(dtype))
+        torch.testing.assert_close(clipped[n].double(), expected_clipped[n], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_output_edge_backward_through_checkpointing(reentrant: bool, dtype: torch.dtype) -> None:
+    """``OutputEdges`` (DPSGD's backward) runs a backward to given tensors, which reentrant
+    checkpointing refuses. Once the model showed it (a recomputed call got a gradient, in an
+    ordinary backward) it takes an ordinary backward; if its first backward is an edge
+    backward, that step is refused with what to do and the next one is exact. Non-reentrant
+    checkpointing keeps the edge backward."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).to(dtype)
+    x = torch.randn(5, 3, generator=seeded(1)).to(dtype)
+    with psh.add_hooks(model, check_unseen=False) as state:
+        edges = OutputEdges(model)
+        if reentrant:
+            with pytest.raises(psh.PerSampleHooksError, match="reentrant activation "
+                               "checkpointing .* this step is lost.*use_reentrant=False"):
+                edges.backward(weighted_square(model(x)).mean())
+            assert state.reentrant_checkpointing
+        for _ in range(2):
+            edges.backward(weighted_square(model(x)).mean())
+            psh.compute_grad1(model)
+            assert all(p.grad is None for p in model.parameters()) != reentrant
+            grad1 = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    _, _, grads = truth(model, x, "mean")
+    for n in grads:
+        torch.testing.assert_close(grad1[n].double(), grads[n], **tolerance(dtype))
