@@ -145,3 +145,36 @@ def test_bfloat16_parameters(index, loss_type):
     model64 = model.double()  # the same bfloat16-valued weights, exactly, in float64
     expected = loop_grads(model64, [x.double()], weighted_square, len(x))
     assert_within_precision(got, expected, bfloat16_loop, BF16_RTOL, norms)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_grad_scaler_scales_per_sample_quantities_by_its_scale(dtype):
+    """``torch.amp.GradScaler`` multiplies the loss by its scale S before the backward, so the
+    captured output gradients, ``grad1`` and the norms are S times the step's (the library
+    cannot see S): ``grad1 / S`` is exact, and ``clip_grads(model, max_grad_norm * S)`` followed
+    by ``scaler.step(optimizer)`` (which unscales ``p.grad``) steps with the clipped mean at
+    ``max_grad_norm``, as the README says."""
+    from norms_truth import loop_clipped, loop_norms
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    x = torch.randn(6, 4, dtype=dtype)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    reference.load_state_dict(model.state_dict())
+    total, _, grads = loop_norms(reference, [x.double()], weighted_square, "mean")
+    scaler = torch.amp.GradScaler(DEVICE_TYPE, init_scale=1024.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    tolerance = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else {}
+    with psh.add_hooks(model):
+        scaler.scale(weighted_square(model(x)).mean()).backward()
+        scale = scaler.get_scale()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close((p.grad1 / scale).double(), grads[n], **tolerance)
+        norms = psh.clip_grads(model, 0.1 * scale)
+        torch.testing.assert_close((norms / scale).double(), total, **tolerance)
+        scaler.step(optimizer)
+        scaler.update()
+    clipped = loop_clipped(grads, total, 0.1, "mean")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close((before[n] - p.detach()).double(), clipped[n], **tolerance)
