@@ -250,14 +250,25 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
                                   "grad")
     seeds = list(seeds)
     before = edges.captured_passes() if recorded else 0
-    for index, seed in enumerate(seeds):
-        retain = retain_graph or index < len(seeds) - 1
-        if recorded:
-            torch.autograd.backward(output, seed.mul_(factor), inputs=recorded,
+    try:
+        for index, seed in enumerate(seeds):
+            retain = retain_graph or index < len(seeds) - 1
+            if recorded:
+                torch.autograd.backward(output, seed.mul_(factor), inputs=recorded,
+                                        retain_graph=retain)
+            else:
+                torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
                                     retain_graph=retain)
-        else:
-            torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
-                                retain_graph=retain)
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error):
+            raise
+        raise PerSampleHooksError(
+            "backprop_hess: the model uses reentrant activation checkpointing "
+            "(torch.utils.checkpoint with use_reentrant=True), through which no backward that "
+            "leaves .grad alone can run (torch.autograd.grad, or a backward to given tensors). "
+            "Use use_reentrant=False (transformers: model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})); clear_backprops(model) "
+            "before the next forward") from error
     if recorded and edges.captured_passes() == before:  # autograd skips unreachable inputs
         raise PerSampleHooksError(
             "backprop_hess: no output that edges recorded is reached from output (edges of "

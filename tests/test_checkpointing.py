@@ -105,3 +105,33 @@ def test_output_edge_backward_through_checkpointing(reentrant: bool, dtype: torc
     _, _, grads = truth(model, x, "mean")
     for n in grads:
         torch.testing.assert_close(grad1[n].double(), grads[n], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_curvature_passes_through_checkpointing(dtype: torch.dtype) -> None:
+    """``backprop_hess``'s passes leave ``.grad`` alone (``torch.autograd.grad``): through
+    non-reentrant checkpointing ``compute_hess`` and ``compute_kfac`` equal those of the same
+    model without it; reentrant checkpointing refuses such a backward, and so does
+    ``backprop_hess``, saying what to use."""
+    x = torch.randn(5, 3, generator=seeded(2)).to(dtype)
+    results = {}
+    for reentrant in (None, False):
+        torch.manual_seed(0)
+        model = Checkpointed(reentrant).to(dtype)
+        with psh.add_hooks(model):
+            psh.backprop_hess(model(x), "LeastSquares")
+            psh.compute_hess(model)
+            curvature = [p.hess.clone() for p in model.parameters()]
+            psh.backprop_hess(model(x), "CrossEntropy")
+            kronecker = psh.compute_kfac(model).kronecker
+            assert len(kronecker) == 4  # every Linear
+            curvature += [t.clone() for pair in kronecker.values() for t in pair]
+        results[reentrant] = curvature
+    for plain, checkpointed in zip(results[None], results[False], strict=True):
+        torch.testing.assert_close(checkpointed, plain, **tolerance(dtype))
+    torch.manual_seed(0)
+    model = Checkpointed(True).to(dtype)
+    with psh.add_hooks(model):
+        with pytest.raises(psh.PerSampleHooksError, match="backprop_hess: the model uses "
+                           "reentrant activation checkpointing.*use_reentrant=False"):
+            psh.backprop_hess(model(x), "LeastSquares")
