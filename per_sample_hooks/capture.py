@@ -192,6 +192,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def refused_by_reentrant_checkpointing(error: RuntimeError) -> bool:
+    """Whether ``error`` is torch's refusal of a backward that leaves ``.grad`` alone
+    (``torch.autograd.grad``, ``inputs=``) through reentrant activation checkpointing."""
+    return "use_reentrant=True" in str(error)
+
+
 def _inside_torch_func(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
     module's forward, or the user's own transforms) are not steps and are not recorded. Under

@@ -107,7 +107,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .capture import Call
+from .capture import Call, refused_by_reentrant_checkpointing
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
@@ -260,7 +260,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
                 torch.autograd.grad(output, leaves, seed.mul_(factor), allow_unused=True,
                                     retain_graph=retain)
     except RuntimeError as error:
-        if "use_reentrant=True" not in str(error):
+        if not refused_by_reentrant_checkpointing(error):
             raise
         raise PerSampleHooksError(
             "backprop_hess: the model uses reentrant activation checkpointing "

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from .api import add_hooks
-from .capture import gradient_tensor
+from .capture import gradient_tensor, refused_by_reentrant_checkpointing
 from .errors import PerSampleHooksError
 from .step import form_on_arrival
 
@@ -110,7 +110,7 @@ class OutputEdges:
         try:
             torch.autograd.backward(loss, inputs=edges)
         except RuntimeError as error:
-            if "use_reentrant=True" not in str(error):
+            if not refused_by_reentrant_checkpointing(error):
                 raise
             self._state.reentrant_checkpointing = True
             self._state.end_step()  # the next forward starts a new step
