@@ -16,6 +16,12 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
 
 
+def loop_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """``assert_close`` tolerances against the float64 loop: exact in float64; within float32
+    rounding otherwise."""
+    return dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+
+
 def sum_of_outputs(output: Tensor) -> Tensor:
     """Per-sample loss: sum of every output entry of the sample (batch first)."""
     return output.reshape(output.shape[0], -1).sum(1)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import per_sample_hooks as psh
-from ground_truth import seeded, weighted_square
+from ground_truth import loop_tolerance, seeded, weighted_square
 from per_sample_hooks.dp import OutputEdges
 
 
@@ -48,10 +48,6 @@ def truth(model: Checkpointed, x: Tensor, loss_type: str) -> tuple[Tensor, dict,
         model.reentrant = reentrant
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
-    return dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
-
-
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -73,10 +69,11 @@ def test_checkpointed_steps_are_exact(reentrant: bool, dtype: torch.dtype, loss_
     total, per_param, grads = truth(model, x, loss_type)
     expected_clipped = loop_clipped(grads, total, 0.1, loss_type)
     assert grad1.keys() == grads.keys()
+    close = loop_tolerance(dtype)
     for n in grads:
-        torch.testing.assert_close(grad1[n].double(), grads[n], **tolerance(dtype))
-        torch.testing.assert_close(norms[n].double(), per_param[n], **tolerance(dtype))
-        torch.testing.assert_close(clipped[n].double(), expected_clipped[n], **tolerance(dtype))
+        torch.testing.assert_close(grad1[n].double(), grads[n], **close)
+        torch.testing.assert_close(norms[n].double(), per_param[n], **close)
+        torch.testing.assert_close(clipped[n].double(), expected_clipped[n], **close)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -104,7 +101,7 @@ def test_output_edge_backward_through_checkpointing(reentrant: bool, dtype: torc
             grad1 = {n: p.grad1.clone() for n, p in model.named_parameters()}
     _, _, grads = truth(model, x, "mean")
     for n in grads:
-        torch.testing.assert_close(grad1[n].double(), grads[n], **tolerance(dtype))
+        torch.testing.assert_close(grad1[n].double(), grads[n], **loop_tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -128,7 +125,7 @@ def test_curvature_passes_through_checkpointing(dtype: torch.dtype) -> None:
             curvature += [t.clone() for pair in kronecker.values() for t in pair]
         results[reentrant] = curvature
     for plain, checkpointed in zip(results[None], results[False], strict=True):
-        torch.testing.assert_close(checkpointed, plain, **tolerance(dtype))
+        torch.testing.assert_close(checkpointed, plain, **loop_tolerance(dtype))
     torch.manual_seed(0)
     model = Checkpointed(True).to(dtype)
     with psh.add_hooks(model):

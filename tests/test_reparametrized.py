@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 import per_sample_hooks as psh
-from ground_truth import seeded, weighted_square
+from ground_truth import loop_tolerance, seeded, weighted_square
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
 
 
@@ -49,11 +49,6 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
     "conv2d": (lambda: nn.Conv2d(2, 3, 3, padding=1, groups=1), (2, 4, 4), 48),
 }
 BATCH = 5
-
-
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
-    """Exact in float64; float32 rounding of the float64 loop otherwise."""
-    return dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
 
 
 def build(kind: str, layer: str, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -98,7 +93,7 @@ def assert_quantities_match(got: tuple[dict[str, Tensor], ...], truth: nn.Module
     vectors its training-mode forward updated, without iterating again), within the rounding
     of ``dtype``."""
     grad1, norms, clipped = got
-    close = tolerance(dtype)
+    close = loop_tolerance(dtype)
     total, per_param, grads = loop_norms(truth.eval(), [x.double()], weighted_square, loss_type)
     expected_clipped = loop_clipped(grads, total, max_norm, loss_type)
     assert grad1.keys() == grads.keys()
@@ -179,7 +174,7 @@ def test_a_frozen_reparametrized_layer_keeps_its_rule() -> None:
     _, _, grads = loop_norms(model.eval(), [x], weighted_square, "mean")
     assert got.keys() == grads.keys() == {"3.weight", "3.bias"}
     for n in got:
-        torch.testing.assert_close(got[n], grads[n], **tolerance(torch.float64))
+        torch.testing.assert_close(got[n], grads[n], **loop_tolerance(torch.float64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -228,7 +223,7 @@ def test_a_parametrization_below_a_rule_that_covers_children(dtype: torch.dtype)
     _, _, grads = loop_norms(truth, [x.double()], weighted_square, "mean")
     assert got.keys() == grads.keys()
     for n in got:
-        torch.testing.assert_close(got[n].double(), grads[n], **tolerance(dtype))
+        torch.testing.assert_close(got[n].double(), grads[n], **loop_tolerance(dtype))
 
 
 @pytest.mark.parametrize("kind", ["weight_norm", "deprecated weight_norm"])
