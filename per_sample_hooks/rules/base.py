@@ -67,6 +67,12 @@ class Rule:
     #: the layer's per-sample gradients already reads those instead.
     forms_rerun: bool = False
 
+    #: The module's outputs are returned as copies, so that the gradient captured for each is
+    #: the one from outside the module only: for a module one of whose outputs is computed from
+    #: another (``nn.LSTMCell``'s ``h' = o * tanh(c')``, on CPU), whose captured gradient would
+    #: otherwise include the path through the first.
+    copy_outputs: bool = False
+
     #: The rule reads the parameters' values (not only their shapes): a re-run of the layer
     #: (fallback, attention, recurrence) or a weight product. On an FSDP2 (``fully_shard``)
     #: model, whose parameters are shards outside the forward, the ``compute_*`` calls gather

@@ -1,4 +1,5 @@
-"""nn.RNN (tanh, relu), nn.LSTM (with ``proj_size``) and nn.GRU: exact per-sample gradients.
+"""nn.RNN (tanh, relu), nn.LSTM (with ``proj_size``) and nn.GRU, and their cells (nn.RNNCell,
+nn.LSTMCell, nn.GRUCell): exact per-sample gradients.
 
 The fused recurrent kernels hide the per-step gate pre-activations, and ``torch.func.vmap`` has
 no batching rule for them. The rule re-runs the recurrence written out with the cell's matmuls
@@ -23,6 +24,10 @@ reverse direction: the initial state until its last step), exactly as the packed
 
 Dropout between layers (``dropout > 0``, ``num_layers > 1``, training mode) draws a random mask
 that cannot be reproduced: the rule refuses it (use ``dropout=0`` or ``model.eval()``).
+
+A cell's call is one step, from the state it is given (zero when none): its calls in one
+forward (a loop over time steps) are stacked as the positions ``t`` of the sums above, ``X`` and
+``H`` being each call's input and given state, and re-run as one batch of steps.
 """
 from __future__ import annotations
 
@@ -91,8 +96,15 @@ def parameter_names(layer: int, reverse: bool) -> dict[str, str]:
         ("w_hr", "weight_hr"))}
 
 
-def _mode(module: nn.RNNBase) -> str:
-    return module.mode  # 'RNN_TANH', 'RNN_RELU', 'LSTM' or 'GRU'
+def _mode(module: nn.RNNBase | nn.RNNCellBase) -> str:
+    """'RNN_TANH', 'RNN_RELU', 'LSTM' or 'GRU'."""
+    if isinstance(module, nn.RNNBase):
+        return module.mode
+    if isinstance(module, nn.LSTMCell):
+        return "LSTM"
+    if isinstance(module, nn.GRUCell):
+        return "GRU"
+    return "RNN_RELU" if module.nonlinearity == "relu" else "RNN_TANH"
 
 
 def _parameter(module: nn.Module, name: str) -> Tensor | None:
@@ -290,14 +302,19 @@ def _hidden_forms(grads: Tensor, run: DirectionRun) -> list[Outer]:
     return forms
 
 
+def _hidden_grad(pre_grad: Tensor, reset_gates: Tensor | None) -> Tensor:
+    """``Q`` from ``P [B, T, G]``: GRU's ``n`` block times its reset gates ``[B, T, hidden]``."""
+    if reset_gates is None:
+        return pre_grad
+    hidden_grad = pre_grad.clone()
+    hidden_grad[..., -reset_gates.shape[-1]:] *= reset_gates
+    return hidden_grad
+
+
 def _direction_forms(module: nn.RNNBase, run: DirectionRun, pre_grad: Tensor,
                      projected_grad: Tensor | None) -> dict[str, list[Outer]]:
     """The forms of one layer and direction, by role (``w_ih``, ``w_hh``, ...)."""
-    hidden_grad = pre_grad
-    if run.reset_gates is not None:
-        hidden = module.hidden_size
-        hidden_grad = pre_grad.clone()
-        hidden_grad[..., 2 * hidden:] *= run.reset_gates
+    hidden_grad = _hidden_grad(pre_grad, run.reset_gates)
     forms = {"w_ih": [one_group(pre_grad, run.x.detach())], "w_hh": _hidden_forms(hidden_grad, run),
              "b_ih": [one_group(pre_grad, None)], "b_hh": [one_group(hidden_grad, None)]}
     if projected_grad is not None:
@@ -377,3 +394,75 @@ class RecurrentRule(Rule):
 
 for _module_type in (nn.RNN, nn.LSTM, nn.GRU):
     register_rule(_module_type)(RecurrentRule())
+
+
+def _stacked(tensors: Sequence[Tensor | None], shape: tuple[int, int], like: Tensor) -> Tensor:
+    """``[B, n, size]`` from one ``[B, size]`` per call (zeros for a None)."""
+    return torch.stack([like.new_zeros(shape) if t is None else t for t in tensors], 1)
+
+
+def cell_forms(module: nn.RNNCellBase, calls: Sequence[Call]) -> dict[str, Outer]:
+    """``{parameter name: form}`` of a cell's calls, re-run as one batch of steps: each call's
+    input ``X``, given state ``H`` (zero when none; ``c`` too for LSTMCell) and output
+    gradients stacked as positions ``[B, n, *]`` (unbatched calls as batch 1)."""
+    mode, hidden = _mode(module), module.hidden_size
+    inputs, states, cells, grad_h, grad_c = [], [], [], [], []
+    for call in calls:
+        x = _argument(call, 0, "input").detach()
+        hx = _argument(call, 1, "hx")
+        h, c = (hx if isinstance(hx, (tuple, list)) else (hx, None))
+        lift = (lambda t: t) if x.dim() == 2 else (
+            lambda t: None if t is None else t.unsqueeze(0))
+        inputs.append(lift(x))
+        states.append(lift(_detach(h)))
+        cells.append(lift(_detach(c)))
+        grad_h.append(lift(_summed_grad(call, 0)))
+        grad_c.append(lift(_summed_grad(call, 1)) if mode == "LSTM" else None)
+    x = torch.stack(inputs, 1)
+    batch, steps = x.shape[:2]
+    h = _stacked(states, (batch, hidden), x)
+    w_ih, w_hh = _parameter(module, "weight_ih"), _parameter(module, "weight_hh")
+    b_ih, b_hh = _parameter(module, "bias_ih"), _parameter(module, "bias_hh")
+    folded_bias = b_ih + b_hh if b_ih is not None and mode != "GRU" else b_ih
+    resets = None
+    with torch.enable_grad():
+        pre = F.linear(x, w_ih, folded_bias).requires_grad_()
+        flat_pre, flat_h = pre.flatten(0, 1), h.flatten(0, 1)
+        seeds = [_stacked(grad_h, (batch, hidden), x).flatten(0, 1)]
+        if mode == "LSTM":
+            c = _stacked(cells, (batch, hidden), x).flatten(0, 1)
+            outputs = list(_step_lstm(flat_pre, flat_h, c, w_hh))
+            seeds.append(_stacked(grad_c, (batch, hidden), x).flatten(0, 1))
+        elif mode == "GRU":
+            h_new, resets = _step_gru(flat_pre, flat_h, w_hh, b_hh, hidden)
+            outputs = [h_new]
+            resets = resets.detach().view(batch, steps, hidden)
+        else:
+            outputs = [_step_rnn(flat_pre, flat_h, w_hh, mode == "RNN_RELU")]
+        (pre_grad,) = torch.autograd.grad(outputs, pre, seeds)
+    hidden_grad = _hidden_grad(pre_grad, resets)
+    forms = {"weight_ih": one_group(pre_grad, x), "weight_hh": one_group(hidden_grad, h)}
+    if b_ih is not None:
+        forms.update(bias_ih=one_group(pre_grad, None), bias_hh=one_group(hidden_grad, None))
+    return forms
+
+
+class CellRule(Rule):
+    """Per-sample gradients of nn.RNNCell / nn.LSTMCell / nn.GRUCell (see module doc)."""
+
+    forms_rerun = True
+    copy_outputs = True  # LSTMCell's h' is computed from its c' (on CPU; fused on CUDA)
+    parameter_names = frozenset({"weight_ih", "weight_hh", "bias_ih", "bias_hh"})
+
+    def batch_size(self, module: nn.RNNCellBase, call: Call) -> int:
+        data = _argument(call, 0, "input")
+        return data.shape[0] if data.dim() == 2 else 1
+
+    def forms(self, module: nn.RNNCellBase, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        forms = cell_forms(module, calls)
+        return {name: [forms[name]] for name in names}
+
+
+for _module_type in (nn.RNNCell, nn.LSTMCell, nn.GRUCell):
+    register_rule(_module_type)(CellRule())
