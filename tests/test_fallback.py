@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_clipping_matches, assert_norms_match
+from test_recurrent_cells import Decoder, decoder_loss, expected_grads, initial_state, make_cell
 from torch import nn
 
 import per_sample_hooks as psh
@@ -12,6 +13,7 @@ from ground_truth import (
     assert_matches_loop,
     hooked_grads,
     loop_grads_of,
+    loop_tolerance,
     weighted_square,
 )
 from per_sample_hooks.rules.fallback import without_cudnn
@@ -438,6 +440,54 @@ def check_recurrent_layer_in_unit(variant, kind, batch_first, dtype):
         torch.testing.assert_close(got[n], g, **tolerance, msg=lambda m, n=n: f"{n}: {m}")
     torch.testing.assert_close(norms, torch.cat([g.flatten(1) for g in expected.values()], 1)
                                .norm(dim=1), **tolerance)
+
+
+@pytest.mark.parametrize("mode", ["RNN_TANH", "LSTM", "GRU"])
+@pytest.mark.parametrize("given_state", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recurrent_cell_in_unit(mode, given_state, dtype):
+    """A module stepping a cell, made a unit: the cell's own zeros initial state is batched
+    in the re-run as an RNN's (it was written in place, 'output with shape [1, 16] doesn't
+    match the broadcast shape [3, 1, 16]'), and a given LSTMCell state, a tuple ``(h, c)``,
+    is split by sample (it was handed whole to every sample, 'Input batch size 1 doesn't
+    match hidden0 batch size 3')."""
+    torch.manual_seed(0)
+    model = Decoder(make_cell(mode, 3, 4)).to(dtype)
+    x = torch.randn(3, 4, 3, dtype=dtype)
+    state = initial_state(mode, 3, 4, dtype) if given_state else None
+    expected = expected_grads(model, x, state, decoder_loss(True))
+    with psh.add_hooks(model, units=[""], check_unseen="always"):
+        decoder_loss(True)(model(x, state)).mean().backward()
+        psh.compute_grad1(model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
+
+
+def test_unit_with_tensors_inside_container_arguments():
+    """Tensors inside a tuple, list or dict argument are split by sample where batched and
+    shared where not, one by one, as top-level tensors are."""
+    torch.manual_seed(0)
+
+    class Unit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = nn.Parameter(torch.randn(3))
+
+        def forward(self, x, extra):
+            gate, shared = extra["pair"]
+            return self.lin(x) * gate + shared * self.scale + extra["more"][0].sum()
+
+    model = Unit().double()
+    x, gate = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    shared, more = torch.randn(3, dtype=torch.float64), [torch.randn(2, dtype=torch.float64)]
+    got = hooked_grads(model, [x, {"pair": (gate, shared), "more": more}], weighted_square,
+                       units=[""], check_unseen="always")
+    expected = loop_grads_of(model, ([x[i:i + 1], {"pair": (gate[i:i + 1], shared),
+                                                   "more": more}] for i in range(4)),
+                             weighted_square)
+    for name, grads in expected.items():
+        torch.testing.assert_close(got[name], grads, rtol=1e-9, atol=1e-10)
 
 
 def test_recurrent_dropout_in_unit_refused_in_training_only():

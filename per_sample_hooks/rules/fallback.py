@@ -9,18 +9,20 @@ vector-Jacobian product of ``f`` restricted to that sample::
 computed for all samples at once with ``vmap``. Each sample keeps a batch dim of size 1, so a
 forward that needs batched inputs (``x.view(x.shape[0], -1)``, a 3-D attention input) runs
 unchanged. Tensor arguments whose size at the batch dim is not the batch size (attention masks,
-constants) are shared by all samples. The module is handled as one *unit*: parameters of its
-children are included (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
-``out_proj``), and the children are not hooked separately.
+constants) are shared by all samples; tensors inside a tuple, list or dict argument (an LSTM
+state ``(h, c)``) are split or shared the same way, one by one. The module is handled as one
+*unit*: parameters of its children are included (``nn.MultiheadAttention`` uses
+``out_proj.weight`` without calling ``out_proj``), and the children are not hooked separately.
 
 Where the samples sit in each argument and output is the module's *layout*: by default the
 module's ``batch_dim`` (from ``add_hooks``) for every tensor whose size there is the batch size;
 :func:`register_layout` adds exact layouts for module types whose arguments disagree (attention:
 ``key_padding_mask`` and the attention weights are batch first whatever ``batch_first`` says).
 
-Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) inside a unit get an initial state batched
-over the samples in the re-run (their own zeros are not, and they write into them in place);
-packed sequences inside a unit (lengths that differ by sample) cannot be vmapped: refused.
+Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` and their cells) inside a unit get an
+initial state batched over the samples in the re-run (their own zeros are not, and they write
+into them in place); packed sequences inside a unit (lengths that differ by sample) cannot be
+vmapped: refused.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
@@ -42,6 +44,8 @@ HEADS = "heads"
 """Layout marker: a ``[B * heads, ...]`` tensor (3-D attention mask), one block per sample."""
 
 Spec = int | str | None  # batch dim kept as size 1 per sample, HEADS, or None (shared)
+# (the default layout gives a tuple, list or dict argument the same container of its leaves'
+# specs: vmap's in_dims for it)
 
 
 @dataclass
@@ -75,8 +79,14 @@ def _lookup_layout(module: nn.Module) -> LayoutFn:
 
 
 def _spec_for(t: object, dim: int, batch_size: int) -> Spec:
-    if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch_size:
-        return dim
+    if isinstance(t, Tensor):
+        return dim if t.dim() > dim and t.shape[dim] == batch_size else None
+    if isinstance(t, (tuple, list, dict)):  # a container of tensors: each leaf its own spec
+        leaves, tree = tree_flatten(t)
+        specs = [_spec_for(leaf, dim, batch_size) if isinstance(leaf, Tensor) else None
+                 for leaf in leaves]
+        if any(spec is not None for spec in specs):
+            return tree_unflatten(specs, tree)
     return None
 
 
@@ -91,7 +101,7 @@ def default_layout(module: nn.Module, call: Call) -> Layout:
     """Every tensor whose size at the module's ``batch_dim`` is the batch size (read off the first
     positional tensor) is batched there; other tensors and non-tensors are shared."""
     dim = call.batch_dim
-    batch_size = _first_batch_size([*call.args, *call.kwargs.values()], dim)
+    batch_size = _first_batch_size(tree_flatten([*call.args, *call.kwargs.values()])[0], dim)
     return Layout([_spec_for(a, dim, batch_size) for a in call.args],
                   {k: _spec_for(v, dim, batch_size) for k, v in call.kwargs.items()},
                   [dim] * len(call.grads), batch_size)
@@ -168,8 +178,13 @@ def _split(value: object, spec: Spec, batch_size: int) -> tuple[object, int | No
     return value, spec
 
 
-def _per_sample(value: Tensor, spec: Spec) -> Tensor:
-    """Inside ``vmap``: give the sample back a batch dim of size 1 (none for HEADS)."""
+def _per_sample(value: object, spec: Spec) -> object:
+    """Inside ``vmap``: give the sample back a batch dim of size 1 (none for HEADS; each
+    batched leaf of a container)."""
+    if isinstance(spec, (tuple, list, dict)):
+        leaves, tree = tree_flatten(value)
+        return tree_unflatten([leaf if dim is None else leaf.unsqueeze(dim)
+                               for leaf, dim in zip(leaves, tree_flatten(spec)[0])], tree)
     return value if spec == HEADS else value.unsqueeze(spec)
 
 
@@ -208,27 +223,31 @@ def _is_cache(value: object) -> bool:
                for klass in type(value).__mro__)
 
 
-def _batched_initial_state(module: nn.RNNBase, args: tuple, kwargs: dict
+def _batched_initial_state(module: nn.RNNBase | nn.RNNCellBase, args: tuple, kwargs: dict
                            ) -> tuple[tuple, dict] | None:
-    """Forward pre-hook on the recurrent layers of a fallback unit during the re-run: give each
-    call an initial state batched over the samples of ``vmap``. Without one the layer makes its
-    zeros with ``torch.zeros`` (not batched) and writes each sample's state into them in place,
-    which ``vmap`` refuses ("output with shape [1, h] doesn't match the broadcast shape
-    [B, 1, h]"); a given state not batched (a learned ``h0``) is made batched by adding batched
-    zeros."""
+    """Forward pre-hook on the recurrent layers and cells of a fallback unit during the re-run:
+    give each call an initial state batched over the samples of ``vmap``. Without one the
+    layer makes its zeros with ``torch.zeros`` (not batched) and writes each sample's state into
+    them in place, which ``vmap`` refuses ("output with shape [1, h] doesn't match the
+    broadcast shape [B, 1, h]"); a given state not batched (a learned ``h0``) is made batched
+    by adding batched zeros."""
     data = args[0] if args else kwargs.get("input")
     if not isinstance(data, Tensor):  # a PackedSequence: as it is (see call_grad1)
         return None
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
-    lead = [module.num_layers * (2 if module.bidirectional else 1)]
-    if data.dim() == 3:  # else unbatched [T, in]
-        lead.append(data.shape[0 if module.batch_first else 1])
+    if isinstance(module, nn.RNNCellBase):
+        lead = [data.shape[0]] if data.dim() == 2 else []  # else unbatched [in]
+    else:
+        lead = [module.num_layers * (2 if module.bidirectional else 1)]
+        if data.dim() == 3:  # else unbatched [T, in]
+            lead.append(data.shape[0 if module.batch_first else 1])
+    lstm = isinstance(module, (nn.LSTM, nn.LSTMCell))
     sizes = [module.hidden_size]
-    if isinstance(module, nn.LSTM):
-        sizes = [module.proj_size or module.hidden_size, module.hidden_size]
+    if lstm:
+        sizes = [getattr(module, "proj_size", 0) or module.hidden_size, module.hidden_size]
     zeros = [data.new_zeros((*lead, size)) for size in sizes]  # new_zeros: batched under vmap
     if hx is None:
-        hx = tuple(zeros) if isinstance(module, nn.LSTM) else zeros[0]
+        hx = tuple(zeros) if lstm else zeros[0]
     elif isinstance(hx, Tensor):
         hx = hx + zeros[0]
     else:
@@ -321,7 +340,8 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         split, dim = _split(value, spec, layout.batch_size) if spec is not None else (value, None)
         flat_args.append(split)
         arg_specs.append(spec)
-        in_dims.append(dim if isinstance(split, Tensor) else None)
+        in_dims.append(dim if isinstance(split, Tensor) or isinstance(spec, (tuple, list, dict))
+                       else None)
     n_args, keys = len(call.args), list(call.kwargs)
     rerun_kwargs = _rerun_overrides(module, call, layout)
     frozen = {n: p.detach() for n, p in params.items() if n not in names}
@@ -346,7 +366,9 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
     # backward: "Expected a proper Tensor but got None ... for argument #22 'workspace'")
     recurrent = {n or ".": m for n, m in module.named_modules()
-                 if type(m).forward in (nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward)}
+                 if type(m).forward in (nn.RNN.forward, nn.GRU.forward, nn.LSTM.forward,
+                                        nn.RNNCell.forward, nn.GRUCell.forward,
+                                        nn.LSTMCell.forward)}
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
     try:
