@@ -4,7 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ground_truth import assert_matches_loop, sum_of_outputs
+import per_sample_hooks as psh
+from ground_truth import assert_matches_loop, loop_grads, sum_of_outputs
 
 
 @settings(max_examples=25, deadline=None)
@@ -73,3 +74,32 @@ def test_batch_dim_one():
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
     assert_matches_loop(model, [torch.randn(6, 4, 5)], batch_dim=1,
                         loss_fn=lambda out: (out.movedim(1, 0) ** 2).flatten(1).sum(1))
+
+
+def unbatched_layers() -> dict:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.pytorch_utils import Conv1D
+    return {"Linear": (nn.Linear(3, 3), [3]), "Conv1D": (Conv1D(3, 3), [3]),
+            "LayerNorm": (nn.LayerNorm([2, 3]), [2, 3]), "RMSNorm": (nn.RMSNorm(3), [3]),
+            "LlamaRMSNorm": (LlamaRMSNorm(3), [3])}
+
+
+@pytest.mark.parametrize("layer", ["Linear", "Conv1D", "LayerNorm", "RMSNorm", "LlamaRMSNorm"])
+def test_an_input_without_batch_dim_is_refused_and_the_next_step_is_exact(layer):
+    """A layer that works on the last dims, given only those (torch runs it as one unbatched
+    sample), is refused naming it (it was a reshape error, "shape '[3, -1, 3]' is invalid");
+    the next, batched step is exact."""
+    torch.manual_seed(0)
+    module, shape = unbatched_layers()[layer]
+    model = nn.Sequential(module).double()
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    expected = loop_grads(model, [x], sum_of_outputs, 4)
+    with psh.add_hooks(model):
+        model(x[0]).pow(2).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'0' .* without a batch dim"):
+            psh.compute_grad1(model)
+        model.zero_grad()
+        sum_of_outputs(model(x)).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[name], rtol=1e-9, atol=1e-10)

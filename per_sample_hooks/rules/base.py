@@ -126,6 +126,22 @@ class Rule:
         cannot give exact per-sample quantities (``name`` is the module's path)."""
 
 
+def refuse_unbatched(module: nn.Module, calls: Sequence[Call], name: str, feature_dims: int
+                     ) -> None:
+    """Refuse a call whose input has no dim besides the ``feature_dims`` trailing dims the layer
+    works on (a Linear's ``[in]``, a LayerNorm's ``normalized_shape``) and the ones up to its
+    ``batch_dim``: torch runs it as one unbatched sample, whose first dim is no batch."""
+    for call in calls:
+        x = call.args[0] if call.args else next(iter(call.kwargs.values()), None)
+        if isinstance(x, Tensor) and x.dim() <= call.batch_dim + feature_dims:
+            raise PerSampleHooksError(
+                f"'{name}' ({type(module).__name__}) got an input of shape {tuple(x.shape)}, "
+                f"without a batch dim (dim {call.batch_dim}) before the last {feature_dims} "
+                "dim(s) it works on: torch ran it as one unbatched sample. Per-sample gradients "
+                "need the batch: give the input one (x.unsqueeze(0) for a single sample), or "
+                "pass add_hooks this module's batch_dim")
+
+
 def written_grad1(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: float,
                   out: dict[str, Tensor]) -> None:
     """``rule.grad1(module, calls, scale, out)``; for a rule that does not name its parameters

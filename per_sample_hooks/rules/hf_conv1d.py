@@ -15,7 +15,7 @@ from torch import nn
 
 from ..capture import Call
 from ..forms import Form, one_group
-from .base import WEIGHT_AND_BIAS, Rule, register_rule
+from .base import WEIGHT_AND_BIAS, Rule, refuse_unbatched, register_rule
 from .linear import flatten_positions
 
 
@@ -25,6 +25,9 @@ class HFConv1DRule(Rule):
     parameter_names = WEIGHT_AND_BIAS
     kronecker = True
     weight_transposed = True  # KFAC factors of the weight as [nf, nx], a Linear's layout
+
+    def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        refuse_unbatched(module, calls, name, 1)
 
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:

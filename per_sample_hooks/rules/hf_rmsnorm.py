@@ -90,6 +90,7 @@ class LlamaRMSNormRule(AffineNormRule):
         return (x32 * torch.rsqrt(variance + module.variance_epsilon)).to(x.dtype)
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        super().check(module, calls, name)
         if not runs(module, llama_rms_norm_forward):
             raise PerSampleHooksError(
                 f"'{name}' ({type(module).__name__}) does not run the forward its rule is exact "

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..forms import Form, one_group
 from ..forms.core import write_one_position
-from .base import WEIGHT_AND_BIAS, Rule, register_rule
+from .base import WEIGHT_AND_BIAS, Rule, refuse_unbatched, register_rule
 
 
 def flatten_positions(t: Tensor) -> Tensor:
@@ -27,6 +27,9 @@ class LinearRule(Rule):
     needs_parameter_values = False  # shapes only: runs on FSDP2 shards
     parameter_names = WEIGHT_AND_BIAS
     kronecker = True
+
+    def check(self, module: nn.Linear, calls: Sequence[Call], name: str) -> None:
+        refuse_unbatched(module, calls, name, 1)
 
     def grad1(self, module: nn.Linear, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:

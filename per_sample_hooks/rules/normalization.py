@@ -27,7 +27,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form
-from .base import WEIGHT_AND_BIAS, Rule, register_rule
+from .base import WEIGHT_AND_BIAS, Rule, refuse_unbatched, register_rule
 
 
 def sums_channels_first(x_hat: Tensor | None, grads: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -61,6 +61,11 @@ class AffineNormRule(Rule):
     def normalize(self, module: nn.Module, call: Call, x: Tensor) -> Tensor:
         """``x_hat``, same shape as ``x`` (batch first), with the statistics of the forward."""
         raise NotImplementedError
+
+    def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
+        if not self.channels_first:  # normalized over the last dims, its parameters' shape
+            weight = next(p for p in module._parameters.values() if p is not None)
+            refuse_unbatched(module, calls, name, weight.dim())
 
     def per_sample(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
                    ) -> dict[str, Tensor]:
