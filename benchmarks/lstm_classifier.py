@@ -1,6 +1,7 @@
-"""Per-sample gradients of a 2-layer LSTM classifier: hooked vs plain forward+backward.
+"""Per-sample gradients of a 2-layer LSTM classifier (``--cell``: an nn.LSTMCell stepped in a
+loop): hooked vs plain forward+backward.
 
-    PYTHONPATH=$PWD python benchmarks/lstm_classifier.py [--device cuda] [--torch-func]
+    PYTHONPATH=$PWD python benchmarks/lstm_classifier.py [--device cuda] [--torch-func] [--cell]
 
 Plain fwd+bwd of an unhooked copy and hooked fwd+bwd+compute_grad1, run alternately
 (``--repeats`` pairs after warm-up); reports medians and the median of per-pair ratios.
@@ -27,6 +28,22 @@ class LSTMClassifier(nn.Module):
     def forward(self, x):
         _, (h_n, _) = self.rnn(x)
         return self.head(h_n[-1])
+
+
+class LSTMCellClassifier(nn.Module):
+    """One nn.LSTMCell stepped over ``x [B, T, in]`` from zeros, its last ``h`` through a Linear
+    head (what a hand-written recurrence or a decoder does)."""
+
+    def __init__(self, input_size: int, hidden: int, classes: int):
+        super().__init__()
+        self.cell = nn.LSTMCell(input_size, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        h = c = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return self.head(h)
 
 
 def timed_pair(first, second, repeats: int, device: str) -> tuple[float, float, float]:
@@ -76,7 +93,10 @@ def torch_func_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     params = {n: p.detach() for n, p in model.named_parameters()}
 
     def loss(p, xi, yi):
-        logits = unrolled_classifier(p, xi, model.rnn.num_layers)
+        if isinstance(model, LSTMCellClassifier):  # vmap batches the cell's ops directly
+            logits = torch.func.functional_call(model, p, (xi[None],))[0]
+        else:
+            logits = unrolled_classifier(p, xi, model.rnn.num_layers)
         return nn.functional.cross_entropy(logits[None], yi[None])
 
     return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
@@ -93,11 +113,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--torch-func", action="store_true",
                         help="also time torch.func vmap(grad) over an unrolled copy")
+    parser.add_argument("--cell", action="store_true",
+                        help="an nn.LSTMCell stepped in a loop instead of a 2-layer nn.LSTM")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = args.device
-    model = LSTMClassifier(args.input, args.hidden, 10).to(device)
+    model = (LSTMCellClassifier(args.input, args.hidden, 10) if args.cell else
+             LSTMClassifier(args.input, args.hidden, 10)).to(device)
     x = torch.randn(args.batch, args.steps, args.input, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
@@ -116,17 +139,19 @@ def main() -> None:
         psh.compute_grad1(model)
 
     plain_ms, hooked_ms, ratio = timed_pair(plain, hooked, args.repeats, device)
-    g = model.rnn.weight_hh_l1.grad1
-    assert torch.allclose(g.mean(0), model.rnn.weight_hh_l1.grad, rtol=1e-4, atol=1e-6)
+    checked = "cell.weight_hh" if args.cell else "rnn.weight_hh_l1"
+    g = model.get_parameter(checked).grad1
+    assert torch.allclose(g.mean(0), model.get_parameter(checked).grad, rtol=1e-4, atol=1e-6)
     func_ms = func_ratio = None
     if args.torch_func:
-        expected = torch_func_step(model, x, y)["rnn.weight_hh_l1"]
+        expected = torch_func_step(model, x, y)[checked]
         assert torch.allclose(g, expected, rtol=1e-3, atol=1e-5)
         func_ms, _, func_ratio = timed_pair(lambda: torch_func_step(model, x, y), hooked,
                                             max(3, args.repeats // 4), device)
     state.remove()
     print(f"device={device} threads={args.threads} B={args.batch} T={args.steps} "
-          f"in={args.input} H={args.hidden} (2-layer LSTM + Linear, cross-entropy, mean)")
+          f"in={args.input} H={args.hidden} ("
+          f"{'LSTMCell loop' if args.cell else '2-layer LSTM'} + Linear, cross-entropy, mean)")
     print(f"plain fwd+bwd                 {plain_ms:8.2f} ms")
     print(f"hooked fwd+bwd+compute_grad1  {hooked_ms:8.2f} ms   ratio {ratio:.2f}x "
           "(median of per-pair ratios)")
