@@ -437,17 +437,17 @@ class Listeners:
 class HookState:
     """All capture state of one hooked model. Returned by ``add_hooks``; a context manager.
 
-    Set once by ``add_hooks``: ``modules``: module -> (qualified name, batch dim); ``rules``: module
-    -> its rule (opaque here but for two flags: ``needs_parameter_values``, and ``copy_outputs``:
-    the module's outputs are returned as copies, as a unit's); ``units``: modules whose parameters
-    include their children's and whose outputs are returned as copies, so that a unit's captured
-    gradient is the one from outside it only; ``observed``: modules captured even when none of their
-    parameters is trainable (the others capture nothing then: a frozen layer holds no input or
-    output gradient); ``batch_of``: ``(module, call) -> batch size`` of a call (raises when it
-    cannot tell); ``broadcast`` (below); ``watchers``: ``module -> watcher()``, giving, as a call of
-    ``module`` is recorded, tensors of its forward whose gradients are captured too
-    (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`); ``unseen`` (the unseen-use
-    check, opaque here).
+    Set once by ``add_hooks``: ``modules``: module -> (qualified name, batch dim); ``rules``:
+    module -> its rule (opaque here but for two flags, ``needs_parameter_values`` and
+    ``copy_outputs``: its outputs are returned as copies, as a unit's); ``units``: modules whose
+    parameters include their children's and whose outputs are returned as copies, so that a
+    unit's captured gradient is the one from outside it only; ``observed``: modules captured even
+    when none of their parameters is trainable (the others capture nothing then: a frozen layer
+    holds no input or output gradient); ``batch_of``: ``(module, call) -> batch size`` of a call
+    (raises when it cannot tell); ``broadcast`` (below); ``watchers``: ``module -> watcher()``,
+    giving, as a call of ``module`` is recorded, tensors of its forward whose gradients are
+    captured too (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`); ``unseen``
+    (the unseen-use check, opaque here).
     Changing: ``calls`` and ``status`` (this step's), ``storage`` (buffers), ``enabled``
     (pausing capture), ``listeners`` (add-ons' callbacks), ``sharded_of`` (FSDP2) and
     ``reentrant_checkpointing`` (set once a call recorded during a backward, a recomputation of

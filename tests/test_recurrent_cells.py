@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from norms_truth import loop_clipped
 from torch import nn
 
 import per_sample_hooks as psh
@@ -169,10 +170,9 @@ def test_norms_clipping_and_second_moments(mode, dtype):
         model.zero_grad()
         loss_fn(model(x, state)).mean().backward()
         psh.clip_grads(model, max_grad_norm=0.5)
-        coefficients = (0.5 / (total + 1e-6)).clamp(max=1)
+        clipped = loop_clipped(expected, total, 0.5, "mean")
         for n, p in model.named_parameters():
-            clipped = torch.einsum("b,b...->...", coefficients, expected[n]) / len(total)
-            torch.testing.assert_close(p.grad.double(), clipped, **close)
+            torch.testing.assert_close(p.grad.double(), clipped[n], **close)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -187,15 +187,14 @@ def test_dpsgd_steps_of_an_lstm_cell(dtype):
     dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
                    max_grad_norm=0.5, dataset_size=10, batch_size=len(x), accountant=None)
     total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
-    coefficients = (0.5 / (total + 1e-6)).clamp(max=1)
+    clipped = loop_clipped(expected, total, 0.5, "mean")
     for _ in range(3):  # the parameters are put back (the expectation is for the first step)
         dp.zero_grad()
         dp.backward(loss_fn(model(x)).mean())
         dp.step()
         for n, p in model.named_parameters():
-            clipped = torch.einsum("b,b...->...", coefficients, expected[n]) / len(total)
             torch.testing.assert_close(reference.get_parameter(n).double() - p.double(),
-                                       0.1 * clipped, **loop_tolerance(dtype))
+                                       0.1 * clipped[n], **loop_tolerance(dtype))
             p.data.copy_(reference.get_parameter(n))
 
 

@@ -396,6 +396,11 @@ for _module_type in (nn.RNN, nn.LSTM, nn.GRU):
     register_rule(_module_type)(RecurrentRule())
 
 
+def _with_batch(t: Tensor | None, batched: bool) -> Tensor | None:
+    """``t`` with its batch dim: an unbatched cell call's tensors as a batch of one."""
+    return t if batched or t is None else t.unsqueeze(0)
+
+
 def _stacked(tensors: Sequence[Tensor | None], shape: tuple[int, int], like: Tensor) -> Tensor:
     """``[B, n, size]`` from one ``[B, size]`` per call (zeros for a None)."""
     return torch.stack([like.new_zeros(shape) if t is None else t for t in tensors], 1)
@@ -411,13 +416,12 @@ def cell_forms(module: nn.RNNCellBase, calls: Sequence[Call]) -> dict[str, Outer
         x = _argument(call, 0, "input").detach()
         hx = _argument(call, 1, "hx")
         h, c = (hx if isinstance(hx, (tuple, list)) else (hx, None))
-        lift = (lambda t: t) if x.dim() == 2 else (
-            lambda t: None if t is None else t.unsqueeze(0))
-        inputs.append(lift(x))
-        states.append(lift(_detach(h)))
-        cells.append(lift(_detach(c)))
-        grad_h.append(lift(_summed_grad(call, 0)))
-        grad_c.append(lift(_summed_grad(call, 1)) if mode == "LSTM" else None)
+        batched = x.dim() == 2
+        inputs.append(_with_batch(x, batched))
+        states.append(_with_batch(_detach(h), batched))
+        cells.append(_with_batch(_detach(c), batched))
+        grad_h.append(_with_batch(_summed_grad(call, 0), batched))
+        grad_c.append(_with_batch(_summed_grad(call, 1), batched) if mode == "LSTM" else None)
     x = torch.stack(inputs, 1)
     batch, steps = x.shape[:2]
     h = _stacked(states, (batch, hidden), x)
