@@ -156,8 +156,8 @@ def main() -> None:
     print(f"hooked fwd+bwd+compute_grad1  {hooked_ms:8.2f} ms   ratio {ratio:.2f}x "
           "(median of per-pair ratios)")
     if func_ms is not None:
-        print(f"torch.func vmap(grad), unrolled {func_ms:8.2f} ms   hooked/torch.func "
-              f"{func_ratio:.2f}x")
+        what = "torch.func vmap(grad)" if args.cell else "torch.func vmap(grad), unrolled"
+        print(f"{what:30s}{func_ms:8.2f} ms   hooked/torch.func {func_ratio:.2f}x")
 
 
 if __name__ == "__main__":
