@@ -515,6 +515,7 @@ class HookState:
         compiling = torch.compiler.is_compiling()
         if _inside_torch_func(compiling) or not self.captures(owner):
             return
+        rule = self.rules[owner]
         if isinstance(output, Tensor):
             if not output.requires_grad:
                 return
@@ -523,7 +524,7 @@ class HookState:
             leaves, spec = tree_flatten(output)
             if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
                 return
-            if module in self.units or self.rules[owner].copy_outputs:
+            if module in self.units or rule.copy_outputs:
                 leaves = [_isolated(t) for t in leaves]
                 output = tree_unflatten(leaves, spec)
         name, batch_dim = self.modules[owner]
@@ -538,7 +539,7 @@ class HookState:
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         call.recomputed = in_backward
-        if self.rules[owner].needs_parameter_values and not compiling:
+        if rule.needs_parameter_values and not compiling:
             call.parameters = [(n, p, p._version)
                                for n, p in owner.named_parameters(recurse=owner in self.units)]
         if status.batch is None:

@@ -46,6 +46,7 @@ HEADS = "heads"
 Spec = int | str | None  # batch dim kept as size 1 per sample, HEADS, or None (shared)
 # (the default layout gives a tuple, list or dict argument the same container of its leaves'
 # specs: vmap's in_dims for it)
+CONTAINERS = (tuple, list, dict)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _lookup_layout(module: nn.Module) -> LayoutFn:
 def _spec_for(t: object, dim: int, batch_size: int) -> Spec:
     if isinstance(t, Tensor):
         return dim if t.dim() > dim and t.shape[dim] == batch_size else None
-    if isinstance(t, (tuple, list, dict)):  # a container of tensors: each leaf its own spec
+    if isinstance(t, CONTAINERS):  # a container of tensors: each leaf its own spec
         leaves, tree = tree_flatten(t)
         specs = [_spec_for(leaf, dim, batch_size) if isinstance(leaf, Tensor) else None
                  for leaf in leaves]
@@ -181,7 +182,7 @@ def _split(value: object, spec: Spec, batch_size: int) -> tuple[object, int | No
 def _per_sample(value: object, spec: Spec) -> object:
     """Inside ``vmap``: give the sample back a batch dim of size 1 (none for HEADS; each
     batched leaf of a container)."""
-    if isinstance(spec, (tuple, list, dict)):
+    if isinstance(spec, CONTAINERS):
         leaves, tree = tree_flatten(value)
         return tree_unflatten([leaf if dim is None else leaf.unsqueeze(dim)
                                for leaf, dim in zip(leaves, tree_flatten(spec)[0])], tree)
@@ -340,8 +341,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         split, dim = _split(value, spec, layout.batch_size) if spec is not None else (value, None)
         flat_args.append(split)
         arg_specs.append(spec)
-        in_dims.append(dim if isinstance(split, Tensor) or isinstance(spec, (tuple, list, dict))
-                       else None)
+        in_dims.append(dim if isinstance(split, Tensor) or isinstance(spec, CONTAINERS) else None)
     n_args, keys = len(call.args), list(call.kwargs)
     rerun_kwargs = _rerun_overrides(module, call, layout)
     frozen = {n: p.detach() for n, p in params.items() if n not in names}
