@@ -1,5 +1,7 @@
 """The torch.func fallback (custom layers, batch_dim per module) and attention and transformer
 layers inside whole models (their native rule is tested in test_attention_rule.py)."""
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -463,7 +465,8 @@ def test_recurrent_cell_in_unit(mode, given_state, dtype):
             torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
 
 
-def test_unit_with_tensors_inside_container_arguments():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unit_with_tensors_inside_container_arguments(dtype):
     """Tensors inside a tuple, list or dict argument are split by sample where batched and
     shared where not, one by one, as top-level tensors are."""
     torch.manual_seed(0)
@@ -478,16 +481,20 @@ def test_unit_with_tensors_inside_container_arguments():
             gate, shared = extra["pair"]
             return self.lin(x) * gate + shared * self.scale + extra["more"][0].sum()
 
-    model = Unit().double()
-    x, gate = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    shared, more = torch.randn(3, dtype=torch.float64), [torch.randn(2, dtype=torch.float64)]
-    got = hooked_grads(model, [x, {"pair": (gate, shared), "more": more}], weighted_square,
-                       units=[""], check_unseen="always")
-    expected = loop_grads_of(model, ([x[i:i + 1], {"pair": (gate[i:i + 1], shared),
-                                                   "more": more}] for i in range(4)),
-                             weighted_square)
-    for name, grads in expected.items():
-        torch.testing.assert_close(got[name], grads, rtol=1e-9, atol=1e-10)
+    model = Unit().to(dtype)
+    x, gate = torch.randn(4, 3, dtype=dtype), torch.randn(4, 3, dtype=dtype)
+    shared, more = torch.randn(3, dtype=dtype), [torch.randn(2, dtype=dtype)]
+    expected = loop_grads_of(copy.deepcopy(model).double(),
+                             ([x[i:i + 1].double(), {"pair": (gate[i:i + 1].double(),
+                                                              shared.double()),
+                                                     "more": [more[0].double()]}]
+                              for i in range(4)), weighted_square)
+    with psh.add_hooks(model, units=[""], check_unseen="always"):
+        weighted_square(model(x, {"pair": (gate, shared), "more": more})).mean().backward()
+        psh.compute_grad1(model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
+            torch.testing.assert_close(p.grad1.mean(0), p.grad, **loop_tolerance(dtype))
 
 
 def test_recurrent_dropout_in_unit_refused_in_training_only():

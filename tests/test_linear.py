@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -5,7 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, sum_of_outputs
+from ground_truth import assert_matches_loop, loop_grads, loop_tolerance, sum_of_outputs
 
 
 @settings(max_examples=25, deadline=None)
@@ -84,16 +86,17 @@ def unbatched_layers() -> dict:
             "LlamaRMSNorm": (LlamaRMSNorm(3), [3])}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layer", ["Linear", "Conv1D", "LayerNorm", "RMSNorm", "LlamaRMSNorm"])
-def test_an_input_without_batch_dim_is_refused_and_the_next_step_is_exact(layer):
+def test_an_input_without_batch_dim_is_refused_and_the_next_step_is_exact(layer, dtype):
     """A layer that works on the last dims, given only those (torch runs it as one unbatched
     sample), is refused naming it (it was a reshape error, "shape '[3, -1, 3]' is invalid");
     the next, batched step is exact."""
     torch.manual_seed(0)
     module, shape = unbatched_layers()[layer]
-    model = nn.Sequential(module).double()
-    x = torch.randn(4, *shape, dtype=torch.float64)
-    expected = loop_grads(model, [x], sum_of_outputs, 4)
+    model = nn.Sequential(module).to(dtype)
+    x = torch.randn(4, *shape, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], sum_of_outputs, 4)
     with psh.add_hooks(model):
         model(x[0]).pow(2).sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"'0' .* without a batch dim"):
@@ -102,4 +105,4 @@ def test_an_input_without_batch_dim_is_refused_and_the_next_step_is_exact(layer)
         sum_of_outputs(model(x)).sum().backward()
         psh.compute_grad1(model, loss_type="sum")
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad1, expected[name], rtol=1e-9, atol=1e-10)
+            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
