@@ -8,6 +8,7 @@ unseen-use check of :mod:`per_sample_hooks.unseen` on the steps its schedule che
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -161,7 +162,11 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             layers.append(LayerWork(module, name, FormedRule(formed[0]), calls,
                                     owned_parameters(state, module)))
             continue
-        rule.check(module, calls, name)
+        try:
+            rule.check(module, calls, name)
+        except PerSampleHooksError as error:
+            raise _with_merged_batch_hint(error, rule, module, name, calls, status.batch) \
+                from error
         if rule.needs_parameter_values:
             refuse_sharded_values(module, name, rule, caller)
         params, dtype, frozen = _layer_parameters(state, module)
@@ -240,6 +245,26 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale)
+
+
+def _with_merged_batch_hint(error: PerSampleHooksError, rule: Rule, module: nn.Module,
+                            name: str, calls: Sequence[Call], batch: int | None
+                            ) -> PerSampleHooksError:
+    """A rule's refusal, told that the module saw a multiple of the step's batch (the samples'
+    positions merged into its batch dim, as a mixture of experts routes tokens): a unit of the
+    module itself would split its calls by the wrong batch, the one that merges them must be."""
+    sizes = {rule.batch_size(module, call) for call in calls} if batch and batch > 1 else set()
+    merged = next((size for size in sizes if size > batch and size % batch == 0), None)
+    if merged is None:
+        return error
+    parent = name.rpartition(".")[0] or "the model"
+    return PerSampleHooksError(
+        f"{error}. Note that '{name}' was called with {merged} rows, {merged // batch} times "
+        f"the batch of {batch}: the samples' positions merged into one dim (`x.view(-1, H)`, "
+        "as a mixture-of-experts block routes its tokens), which only the module that merges "
+        "them can tell apart. Make that module the unit instead, its parent "
+        f"'{parent}' or the nearest module that contains it and is called with the batch: "
+        f"add_hooks(model, units=['{parent}'])")
 
 
 FORM_RATIO = 2

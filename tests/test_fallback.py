@@ -1,6 +1,7 @@
 """The torch.func fallback (custom layers, batch_dim per module) and attention and transformer
 layers inside whole models (their native rule is tested in test_attention_rule.py)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import per_sample_hooks as psh
 from ground_truth import (
     assert_matches_loop,
     hooked_grads,
+    loop_grads,
     loop_grads_of,
     loop_tolerance,
     weighted_square,
@@ -539,28 +541,134 @@ def test_packed_sequence_in_unit_refused():
         psh.remove_hooks(model)
 
 
+class Branches(nn.Module):
+    """A forward that branches on a value over the whole batch: each sample alone may take
+    the other branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_unit_that_branches_on_values_is_refused_with_the_cause(dtype):
-    """``if x.sum() > 0`` in a unit's forward cannot be vmapped: refused naming the unit, the
-    error and what to do, not torch's bare RuntimeError; the next step is clean."""
-
-    class Branches(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.lin(x) if x.sum() > 0 else -self.lin(x)
-
+def test_a_unit_whose_forward_depends_on_the_batch_is_refused_with_the_cause(dtype):
+    """``if x.sum() > 0`` cannot be vmapped, and one sample at a time (sample 0 alone takes
+    the other branch) gives other outputs than the batch: refused naming the unit and why,
+    not a silently wrong number; the next step is clean."""
     model = nn.Sequential(Branches(), nn.Linear(3, 2)).to(dtype)
     x = torch.randn(4, 3, dtype=dtype).abs()
+    x[0] = -x[0]  # the batch's sum stays > 0
     psh.add_hooks(model, units=["0"])
     try:
         model(x).sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"Branches, a unit of the torch.func "
-                           r"fallback, could not be re-run .*RuntimeError.*\.item\(\)"):
+                           r"fallback that vmap cannot batch, gives sample 0 another output 0 "
+                           r"when run alone .*depends on the batch"):
             psh.compute_grad1(model)
         psh.remove_hooks(model)
-        assert_matches_loop(model, [x], loss_fn=lambda out: out.sum(1))  # its Linear's rule
+        # every sample on the batch's branch: its Linear's rule is exact
+        assert_matches_loop(model, [x.abs()], loss_fn=lambda out: out.sum(1))
     finally:
         psh.remove_hooks(model)
+
+
+class TopOneExperts(nn.Module):
+    """A mixture of experts as transformers' eager experts route tokens: each token to the
+    expert its gate scores highest, the rows of each expert gathered with ``nonzero`` (a
+    shape that depends on the values: vmap cannot batch it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        scores = self.gate(tokens).softmax(-1)
+        weight, choice = scores.max(-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if len(rows):
+                out.index_add_(0, rows, expert(tokens[rows]) * weight[rows, None])
+        return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_vmap_cannot_batch_is_re_run_one_sample_at_a_time(dtype):
+    """Data-dependent routing in a unit: exact against the float64 loop, re-run one sample at
+    a time with a warning that says so; norms and clipping follow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TopOneExperts(), nn.Linear(4, 2))
+    x = torch.randn(5, 6, 4)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    model, x = model.to(dtype), x.to(dtype)
+    tolerance = loop_tolerance(dtype)
+    psh.add_hooks(model, units=["0"], check_unseen="always")
+    try:
+        weighted_square(model(x)).mean().backward()
+        with pytest.warns(UserWarning, match="TopOneExperts, a unit of the torch.func fallback, "
+                          "is re-run one sample at a time"):
+            psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **tolerance)
+        total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            norms = psh.compute_norms(model)
+        torch.testing.assert_close(norms.double(), total, **tolerance)
+    finally:
+        psh.remove_hooks(model)
+
+
+class CentredLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y - y.mean(0, keepdim=True)  # couples the samples
+
+
+def test_a_unit_that_couples_the_samples_is_refused_by_the_check():
+    """A unit whose forward centres over the batch: its per-sample re-run cannot give
+    gradients that sum to the batch's (they are undefined). The check, which used to take the
+    gap for rounding, refuses it in float64, naming the parameter and the unit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(CentredLinear(), nn.Linear(4, 1)).double()
+    psh.add_hooks(model, units=["0"])
+    try:
+        model(torch.randn(6, 4, dtype=torch.double)).square().sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"parameter '0.lin.(weight|bias)': the "
+                           r"per-sample gradients of '0' do not sum to the gradient .* couples "
+                           r"the samples"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("track_running_stats", [True, False])
+def test_batch_norm_with_batch_statistics_in_a_unit_is_refused(dtype, track_running_stats):
+    """BatchNorm in training mode (or without running statistics) inside a unit mixes the
+    samples as it does outside one: refused with the BatchNorm rule's message, in float32 too
+    (where the check cannot tell); in eval mode the unit is exact."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm2d(3, track_running_stats=track_running_stats)
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(2, 3, 3), norm), nn.Flatten(),
+                          nn.Linear(12, 1)).to(dtype)
+    x = torch.randn(4, 2, 4, 4, dtype=dtype)
+    psh.add_hooks(model, units=["0"])
+    try:
+        model(x).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'0.1' \(BatchNorm2d\) normalizes "
+                           r"with batch statistics"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+    if track_running_stats:
+        assert_matches_loop(model.eval(), [x], units=["0"])

@@ -229,7 +229,7 @@ def loop_grads(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
 
 
-FLOAT32_INSIDE = {"llama", "gemma"}
+FLOAT32_INSIDE = {"llama", "gemma", "mixtral"}
 """Models that compute in float32 whatever their dtype (LlamaRMSNorm upcasts to float32 and
 casts back; the rotary embedding is float32): in float64 their plain batch gradient itself
 differs from the mean of the loop's by about 5e-8 of its largest entry."""
@@ -500,3 +500,54 @@ def test_frozen_modules_capture_nothing() -> None:
         assert recorded and all("lora_" in name for name in recorded), recorded
     finally:
         psh.remove_hooks(model)
+
+
+def mixtral(implementation: str) -> nn.Module:
+    config = transformers.MixtralConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=32, vocab_size=VOCAB, max_position_embeddings=32, num_local_experts=4,
+        num_experts_per_tok=2, experts_implementation=implementation)
+    return transformers.MixtralForCausalLM(config)
+
+
+MOE_BLOCKS = ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+@pytest.mark.parametrize("implementation, dtype", [
+    ("eager", torch.float64), ("eager", torch.float32), ("grouped_mm", torch.float32)])
+def test_mixture_of_experts_blocks_as_units_are_exact(implementation, dtype) -> None:
+    """Mixtral: its experts see the batch's tokens merged into one dim ([B * T, H]) and routed,
+    which only the block that merges them can tell apart. Hooked as it is, the refusal names
+    that block; with each block a unit, grad1, norms and clipping match the float64 loop (the
+    eager experts' routing by value is re-run one sample at a time, grouped_mm's by vmap).
+    The loop runs the eager experts: grouped_mm has no float64 kernel."""
+    MODELS["mixtral"] = (lambda: mixtral(implementation), causal_lm_batch)
+    try:
+        model, batch = build("mixtral", dtype)
+    finally:
+        del MODELS["mixtral"]
+    psh.add_hooks(model)
+    try:
+        loss_of(model, batch).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'model.layers.0.mlp.experts' .*"
+                           r"called with 21 rows, 7 times the batch of 3.*"
+                           r"units=\['model.layers.0.mlp'\]"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
+    psh.add_hooks(model, units=MOE_BLOCKS, check_unseen="always")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-sample-at-a-time re-run's
+            got = grad1_rows(model, batch)
+            norms = psh.compute_norms(model)
+            psh.clip_grads(model, max_grad_norm=0.5)
+        clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        psh.remove_hooks(model)
+    model.config._experts_implementation = "eager"
+    expected = loop_grads(model, batch)
+    assert_rows_close(got, expected, dtype, "mixtral")
+    total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms.double(), total, **tolerances(dtype, "mixtral"))
+    assert_rows_close(clipped, loop_clipped(expected, total, 0.5, "mean"), dtype, "mixtral")

@@ -6,7 +6,11 @@ vector-Jacobian product of ``f`` restricted to that sample::
 
     grad1[b] = vjp(params -> f(params, args[b], kwargs[b]))(g[b])
 
-computed for all samples at once with ``vmap``. Each sample keeps a batch dim of size 1, so a
+computed for all samples at once with ``vmap``, or, for a forward that ``vmap`` cannot batch
+(a branch on tensor values, a shape that depends on them: a mixture of experts' routing), by a
+loop over the samples, with a warning; the loop's outputs are compared with the batch's, and a
+unit whose samples alone give other outputs (its forward depends on the batch) is refused, as
+is BatchNorm with batch statistics inside a unit. Each sample keeps a batch dim of size 1, so a
 forward that needs batched inputs (``x.view(x.shape[0], -1)``, a 3-D attention input) runs
 unchanged. Tensor arguments whose size at the batch dim is not the batch size (attention masks,
 constants) are shared by all samples; tensors inside a tuple, list or dict argument (an LSTM
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +44,7 @@ from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
 from ..reparametrized import power_iterations_off
 from .base import Rule
+from .normalization import batch_statistics_error, uses_batch_statistics
 
 HEADS = "heads"
 """Layout marker: a ``[B * heads, ...]`` tensor (3-D attention mask), one block per sample."""
@@ -274,6 +280,10 @@ class FallbackRule(Rule):
                         f"cache ({type(value).__name__}, argument {argument!r}) that its "
                         "forward extends: the re-run would read and extend it again. Call the "
                         "model with use_cache=False for training steps")
+        for sub_name, sub in module.named_modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and \
+                    uses_batch_statistics(sub, sub.training):
+                raise batch_statistics_error(sub, f"{name}.{sub_name}" if sub_name else name)
         if any(call.training for call in calls):
             random = _random_modules(module)
             if random:
@@ -347,20 +357,22 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     frozen = {n: p.detach() for n, p in params.items() if n not in names}
     trainable = {n: params[n].detach() for n in names}
 
-    def sample_grads(values: list, grads: list) -> tuple[Tensor, ...]:
+    def outputs(args: Sequence, kwargs: dict, weights: dict[str, Tensor]) -> list[Tensor]:
+        output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
+                                            {**kwargs, **rerun_kwargs})
+        leaves = tree_flatten(output)[0]
+        return [leaves[j] for j in out_leaves]
+
+    def rerun(values: list, grads: list) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+        """One sample's outputs (batch dim of size 1) and per-sample gradients."""
         values = [_per_sample(v, s) if s is not None else v for v, s in zip(values, arg_specs)]
         args, kwargs = values[:n_args], dict(zip(keys, values[n_args:]))
-        kwargs.update(rerun_kwargs)
-
-        def forward(weights: dict[str, Tensor]) -> list[Tensor]:
-            output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
-                                                kwargs)
-            leaves = tree_flatten(output)[0]
-            return [leaves[j] for j in out_leaves]
-
-        _, vjp = torch.func.vjp(forward, trainable)
+        out, vjp = torch.func.vjp(lambda weights: outputs(args, kwargs, weights), trainable)
         (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
-        return tuple(result[n] for n in names)
+        return out, tuple(result[n] for n in names)
+
+    def sample_grads(values: list, grads: list) -> tuple[Tensor, ...]:
+        return rerun(values, grads)[1]
 
     # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
     # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
@@ -373,30 +385,102 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                for m in recurrent.values()]
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), power_iterations_off(module):
-            return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
-                                                                                cotangents)
-    except (RuntimeError, ValueError, TypeError) as error:
-        if isinstance(error, PerSampleHooksError):
-            raise
-        if recurrent:
-            layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
-            raise PerSampleHooksError(
-                f"{type(module).__name__}, a unit of the torch.func fallback with recurrent "
-                f"layers {layers}, could not be re-run per sample under torch.func.vmap "
-                f"({error}). Packed sequences (pack_padded_sequence: lengths that differ by "
-                "sample) cannot be vmapped. Let the recurrent layers have their own rule "
-                "(exact, packed sequences included): do not make the module that calls them a "
-                "unit (units=), or move them out of it") from error
-        raise PerSampleHooksError(
-            f"{type(module).__name__}, a unit of the torch.func fallback, could not be re-run "
-            f"per sample under torch.func.vmap ({type(error).__name__}: {error}). A forward "
-            "that branches on tensor values (`.item()`, `if mask.any():`, as attention-mask "
-            "builders do) cannot be vmapped: make smaller modules units (units=), ones whose "
-            "forward has no such branch, or give the branch's input from outside (e.g. an "
-            "attention mask built before the call)" + (
-                ". TorchScript functions in the forward (torch.jit.script) may not vmap on "
-                "CUDA: PYTORCH_JIT=0 in the environment runs them as Python"
-                if "TorchScript" in str(error) else "")) from error
+            try:
+                return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
+                                                                                    cotangents)
+            except (RuntimeError, ValueError, TypeError) as error:
+                if isinstance(error, PerSampleHooksError):
+                    raise
+                failure = error
+            try:
+                grads = _one_sample_at_a_time(rerun, flat_args, in_dims, cotangents, out_specs,
+                                              layout.batch_size)
+                with torch.no_grad():
+                    _outputs_agree(module, outputs(call.args, call.kwargs, trainable),
+                                   grads[-1], out_specs)
+                grads = grads[:-1]
+            except (RuntimeError, ValueError, TypeError) as error:
+                if isinstance(error, PerSampleHooksError):
+                    raise
+                failure = error  # what stops the re-run of a single sample
+            else:
+                warnings.warn(
+                    f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one "
+                    "sample at a time, since torch.func.vmap cannot batch its forward "
+                    f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample "
+                    "gradients are exact, at the cost of a forward and backward of the unit per "
+                    "sample; smaller units whose forward vmap can batch (no branch on tensor "
+                    "values) are faster", stacklevel=2)
+                return grads
+        raise _unbatchable(module, recurrent, failure) from failure
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _sample(value: object, dim: object, b: int) -> object:
+    """Sample ``b`` of one argument as ``vmap`` hands it over with ``in_dims`` ``dim``."""
+    if dim is None:
+        return value
+    if isinstance(dim, CONTAINERS):
+        leaves, tree = tree_flatten(value)
+        return tree_unflatten([leaf if d is None else leaf.select(d, b)
+                               for leaf, d in zip(leaves, tree_flatten(dim)[0])], tree)
+    return value.select(dim, b)
+
+
+def _one_sample_at_a_time(rerun: Callable, values: list, in_dims: list, grads: list[Tensor],
+                          out_dims: list[int], batch_size: int) -> tuple:
+    """``vmap(sample_grads, in_dims=(in_dims, out_dims))(values, grads)`` by a loop over the
+    samples, for forwards that ``vmap`` cannot batch (a branch on tensor values, a shape that
+    depends on them: a mixture of experts' routing); the samples' outputs, stacked along
+    ``out_dims``, come last."""
+    rows = []
+    for b in range(batch_size):
+        out, sample = rerun([_sample(v, d, b) for v, d in zip(values, in_dims)],
+                            [g.select(d, b) for g, d in zip(grads, out_dims)])
+        rows.append([*sample, [o.squeeze(d) for o, d in zip(out, out_dims)]])
+    columns = list(zip(*rows))
+    return (*(torch.stack(c) for c in columns[:-1]),
+            [torch.stack(o, d) for o, d in zip(zip(*columns[-1]), out_dims)])
+
+
+def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor],
+                   dims: list[int]) -> None:
+    """Refuse a unit whose samples, run alone, give other outputs than in the batch: its
+    forward depends on the batch (a branch on a batch-wide value, ``if x.sum() > 0``; a limit
+    on tokens per expert), so its per-sample gradients are undefined. Each output is compared
+    within ``sqrt(eps)`` of its largest entry (rounding of batched against single kernels)."""
+    for j, (whole, parts, dim) in enumerate(zip(batched, alone, dims)):
+        scale = torch.finfo(whole.dtype).eps ** 0.5 * whole.abs().max().clamp_min(1e-30)
+        gap = (whole - parts).abs().amax(dim=[d for d in range(whole.dim()) if d != dim])
+        if (gap > scale).any():
+            b = int(gap.argmax())
+            raise PerSampleHooksError(
+                f"{type(module).__name__}, a unit of the torch.func fallback that vmap cannot "
+                f"batch, gives sample {b} another output {j} when run alone than in the batch "
+                f"(off by {float(gap[b] / whole.abs().max()):.1e} of its largest entry): its "
+                "forward depends on the batch (a branch on a value over the batch, as "
+                "`if x.sum() > 0`; a capacity limit per expert), so per-sample gradients are "
+                "undefined for it. Make the branch per sample, or its input given from outside")
+
+
+def _unbatchable(module: nn.Module, recurrent: dict[str, nn.Module], error: Exception
+                 ) -> PerSampleHooksError:
+    """The refusal of a unit that neither ``vmap`` nor a loop over samples could re-run."""
+    if recurrent:
+        layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
+        return PerSampleHooksError(
+            f"{type(module).__name__}, a unit of the torch.func fallback with recurrent "
+            f"layers {layers}, could not be re-run per sample ({error}). Packed sequences "
+            "(pack_padded_sequence: lengths that differ by sample) cannot be split by sample. "
+            "Let the recurrent layers have their own rule (exact, packed sequences included): "
+            "do not make the module that calls them a unit (units=), or move them out of it")
+    return PerSampleHooksError(
+        f"{type(module).__name__}, a unit of the torch.func fallback, could not be re-run per "
+        f"sample, under torch.func.vmap nor one sample at a time ({type(error).__name__}: "
+        f"{error}). Make smaller modules units (units=), or give the values its forward needs "
+        "from outside (e.g. an attention mask built before the call)" + (
+            ". TorchScript functions in the forward (torch.jit.script) may not vmap on "
+            "CUDA: PYTORCH_JIT=0 in the environment runs them as Python"
+            if "TorchScript" in str(error) else ""))
