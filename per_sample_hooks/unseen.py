@@ -601,12 +601,11 @@ def raise_unfaithful(name: str, users: Sequence[str], fraction: float) -> None:
     raise PerSampleHooksError(
         f"parameter '{name}': the per-sample gradients of {owners} do not sum to the gradient "
         f"that autograd gives it through {owners} (they differ by {fraction:.0%} of it), so "
-        "they are not per-sample gradients. The forward couples the samples of the batch "
-        "(statistics over the batch dim, such as `x - x.mean(0)`, in a torch.func fallback "
-        "unit), or, for a rule of your own "
-        "(register_rule), its formula is wrong. Per-sample gradients are undefined for a "
-        "forward that mixes the samples: use per-sample statistics (LayerNorm, GroupNorm) or "
-        "model.eval()")
+        "they are not per-sample gradients. Either the forward couples the samples of the "
+        "batch (statistics over the batch dim, such as `x - x.mean(0)`, in a torch.func "
+        "fallback unit: per-sample gradients are undefined there; use per-sample statistics, "
+        "LayerNorm or GroupNorm), or, for a rule of your own (register_rule), its formula is "
+        "wrong")
 
 
 def check_mode(check_unseen: CheckUnseen) -> Literal["sampled", "always"] | None:

@@ -729,3 +729,29 @@ def test_frozen_modules_record_nothing_until_unfrozen():
     with pytest.raises(psh.PerSampleHooksError, match="batch statistics"):
         psh.compute_grad1(model)
     psh.remove_hooks(model)
+
+
+class HalvedShift(AffineRule):
+    """AffineRule with a wrong formula: ``shift``'s per-sample gradients halved."""
+
+    def forms(self, module, calls, names):
+        result = super().forms(module, calls, names)
+        if "shift" in result:
+            result["shift"] = [psh.Outer(form.grads / 2) for form in result["shift"]]
+        return result
+
+
+def test_a_user_rule_whose_rows_do_not_sum_to_the_gradient_is_refused_in_float64():
+    """Before, the check's confirmation took the rules' gap to the recomputed gradient for
+    rounding (the module sees every use), and grad1 was silently half of the truth."""
+    registry = psh.RuleRegistry()
+    psh.register_rule(Affine, registry)(HalvedShift)
+    model = nn.Sequential(nn.Linear(4, 4), Affine(4)).double()
+    psh.add_hooks(model, registry=registry)
+    try:
+        model(torch.randn(5, 4, dtype=torch.double)).square().sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"parameter '1.shift': the per-sample "
+                           r"gradients of '1' do not sum to the gradient .*its formula is wrong"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
