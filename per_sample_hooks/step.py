@@ -219,10 +219,8 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                 "module that contains it and the ops that meet its output with the batch (an "
                 "encoder, a transformer block) one unit of the torch.func fallback: "
                 "add_hooks(model, units=[...]); or freeze the parameters it is computed from")
-        step_batch = status.batch or 0
-        merged = next((name for size, name in sizes.items()
-                       if size > step_batch and size % step_batch == 0), None) \
-            if step_batch > 1 else None
+        hint = next(filter(None, (merged_batch_hint(name, size, status.batch)
+                                  for size, name in sizes.items())), None)
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
@@ -234,37 +232,38 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "or, in code you do not change (the relative position biases of transformers' T5, "
             "BEiT, Swin), make the module that adds its output to the batch's (an attention "
             "layer, a transformer block) one unit of the torch.func fallback, "
-            "add_hooks(model, units=[...])"
-            + ("" if merged is None else
-               f". '{merged}' saw a multiple of the batch {step_batch}: samples merged into "
-               "its batch dim (`x.view(B * T, H)`, windows or patches folded into the batch) "
-               "are told apart only by the module that merges them: make that module one "
-               "unit of the torch.func fallback, add_hooks(model, units=[...]) (a decoder "
-               "layer, a transformer block)"))
+            "add_hooks(model, units=[...])" + ("" if hint is None else f". {hint}"))
     batch_size = next(iter(sizes))
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale)
 
 
+def merged_batch_hint(name: str, size: int, batch: int | None) -> str | None:
+    """What to do about module ``name`` called with ``size`` rows, a multiple of the step's
+    ``batch`` (the samples' positions merged into its batch dim); None if it is not one."""
+    if not batch or batch < 2 or size <= batch or size % batch:
+        return None
+    parent = name.rpartition(".")[0]
+    return (
+        f"'{name}' saw a multiple of the batch {batch}: it was called with {size} rows, "
+        f"{size // batch} times the batch of {batch}, the samples' positions merged into one "
+        "dim (`x.view(B * T, H)`, windows or patches folded into the batch, a "
+        "mixture-of-experts block routing its tokens), which only the module that merges them "
+        "can tell apart. Make that module one unit of the torch.func fallback: "
+        f"{f'its parent {parent!r}' if parent else 'the model itself'} or the nearest module "
+        "that contains it and is called with the batch (a decoder layer, a transformer block), "
+        f"add_hooks(model, units=['{parent}'])")
+
+
 def _with_merged_batch_hint(error: PerSampleHooksError, rule: Rule, module: nn.Module,
                             name: str, calls: Sequence[Call], batch: int | None
                             ) -> PerSampleHooksError:
-    """A rule's refusal, told that the module saw a multiple of the step's batch (the samples'
-    positions merged into its batch dim, as a mixture of experts routes tokens): a unit of the
-    module itself would split its calls by the wrong batch, the one that merges them must be."""
-    sizes = {rule.batch_size(module, call) for call in calls} if batch and batch > 1 else set()
-    merged = next((size for size in sizes if size > batch and size % batch == 0), None)
-    if merged is None:
-        return error
-    parent = name.rpartition(".")[0] or "the model"
-    return PerSampleHooksError(
-        f"{error}. Note that '{name}' was called with {merged} rows, {merged // batch} times "
-        f"the batch of {batch}: the samples' positions merged into one dim (`x.view(-1, H)`, "
-        "as a mixture-of-experts block routes its tokens), which only the module that merges "
-        "them can tell apart. Make that module the unit instead, its parent "
-        f"'{parent}' or the nearest module that contains it and is called with the batch: "
-        f"add_hooks(model, units=['{parent}'])")
+    """A rule's refusal, with :func:`merged_batch_hint` if the module saw a multiple of the
+    batch: a unit of the module itself would split its calls by the wrong batch."""
+    hint = next(filter(None, (merged_batch_hint(name, rule.batch_size(module, call), batch)
+                              for call in calls)), None)
+    return error if hint is None else PerSampleHooksError(f"{error}. {hint}")
 
 
 FORM_RATIO = 2

@@ -26,7 +26,7 @@ module's ``batch_dim`` (from ``add_hooks``) for every tensor whose size there is
 Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` and their cells) inside a unit get an
 initial state batched over the samples in the re-run (their own zeros are not, and they write
 into them in place); packed sequences inside a unit (lengths that differ by sample) cannot be
-vmapped: refused.
+split by sample: refused.
 """
 from __future__ import annotations
 
@@ -189,10 +189,17 @@ def _per_sample(value: object, spec: Spec) -> object:
     """Inside ``vmap``: give the sample back a batch dim of size 1 (none for HEADS; each
     batched leaf of a container)."""
     if isinstance(spec, CONTAINERS):
-        leaves, tree = tree_flatten(value)
-        return tree_unflatten([leaf if dim is None else leaf.unsqueeze(dim)
-                               for leaf, dim in zip(leaves, tree_flatten(spec)[0])], tree)
+        return _on_batched_leaves(value, spec, Tensor.unsqueeze)
     return value if spec == HEADS else value.unsqueeze(spec)
+
+
+def _on_batched_leaves(value: object, specs: object, fn: Callable[[Tensor, int], Tensor]
+                       ) -> object:
+    """A container argument with ``fn(leaf, dim)`` applied to each leaf its ``specs`` (the
+    same container of dims or None) batch, the others as they are."""
+    leaves, tree = tree_flatten(value)
+    return tree_unflatten([leaf if dim is None else fn(leaf, dim)
+                           for leaf, dim in zip(leaves, tree_flatten(specs)[0])], tree)
 
 
 def _rerun_overrides(module: nn.Module, call: Call, layout: Layout) -> dict[str, object]:
@@ -393,26 +400,22 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                     raise
                 failure = error
             try:
-                grads = _one_sample_at_a_time(rerun, flat_args, in_dims, cotangents, out_specs,
-                                              layout.batch_size)
-                with torch.no_grad():
-                    _outputs_agree(module, outputs(call.args, call.kwargs, trainable),
-                                   grads[-1], out_specs)
-                grads = grads[:-1]
+                grads, alone = _one_sample_at_a_time(rerun, flat_args, in_dims, cotangents,
+                                                     out_specs, layout.batch_size)
             except (RuntimeError, ValueError, TypeError) as error:
                 if isinstance(error, PerSampleHooksError):
                     raise
-                failure = error  # what stops the re-run of a single sample
-            else:
-                warnings.warn(
-                    f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one "
-                    "sample at a time, since torch.func.vmap cannot batch its forward "
-                    f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample "
-                    "gradients are exact, at the cost of a forward and backward of the unit per "
-                    "sample; smaller units whose forward vmap can batch (no branch on tensor "
-                    "values) are faster", stacklevel=2)
-                return grads
-        raise _unbatchable(module, recurrent, failure) from failure
+                raise _unbatchable(module, recurrent, error) from error
+            with torch.no_grad():
+                _outputs_agree(module, outputs(call.args, call.kwargs, trainable), alone,
+                               out_specs)
+        warnings.warn(
+            f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one sample "
+            "at a time, since torch.func.vmap cannot batch its forward "
+            f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample gradients are "
+            "exact, at the cost of a forward and backward of the unit per sample; smaller units "
+            "whose forward vmap can batch (no branch on tensor values) are faster", stacklevel=2)
+        return grads
     finally:
         for handle in handles:
             handle.remove()
@@ -423,26 +426,25 @@ def _sample(value: object, dim: object, b: int) -> object:
     if dim is None:
         return value
     if isinstance(dim, CONTAINERS):
-        leaves, tree = tree_flatten(value)
-        return tree_unflatten([leaf if d is None else leaf.select(d, b)
-                               for leaf, d in zip(leaves, tree_flatten(dim)[0])], tree)
+        return _on_batched_leaves(value, dim, lambda leaf, d: leaf.select(d, b))
     return value.select(dim, b)
 
 
 def _one_sample_at_a_time(rerun: Callable, values: list, in_dims: list, grads: list[Tensor],
-                          out_dims: list[int], batch_size: int) -> tuple:
+                          out_dims: list[int], batch_size: int
+                          ) -> tuple[tuple[Tensor, ...], list[Tensor]]:
     """``vmap(sample_grads, in_dims=(in_dims, out_dims))(values, grads)`` by a loop over the
     samples, for forwards that ``vmap`` cannot batch (a branch on tensor values, a shape that
-    depends on them: a mixture of experts' routing); the samples' outputs, stacked along
-    ``out_dims``, come last."""
-    rows = []
+    depends on them: a mixture of experts' routing); with the samples' outputs, stacked along
+    ``out_dims``."""
+    sample_grads, outputs = [], []
     for b in range(batch_size):
         out, sample = rerun([_sample(v, d, b) for v, d in zip(values, in_dims)],
                             [g.select(d, b) for g, d in zip(grads, out_dims)])
-        rows.append([*sample, [o.squeeze(d) for o, d in zip(out, out_dims)]])
-    columns = list(zip(*rows))
-    return (*(torch.stack(c) for c in columns[:-1]),
-            [torch.stack(o, d) for o, d in zip(zip(*columns[-1]), out_dims)])
+        sample_grads.append(sample)
+        outputs.append([o.squeeze(d) for o, d in zip(out, out_dims)])
+    return (tuple(torch.stack(column) for column in zip(*sample_grads)),
+            [torch.stack(column, d) for column, d in zip(zip(*outputs), out_dims)])
 
 
 def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor],
@@ -452,14 +454,14 @@ def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor]
     on tokens per expert), so its per-sample gradients are undefined. Each output is compared
     within ``sqrt(eps)`` of its largest entry (rounding of batched against single kernels)."""
     for j, (whole, parts, dim) in enumerate(zip(batched, alone, dims)):
-        scale = torch.finfo(whole.dtype).eps ** 0.5 * whole.abs().max().clamp_min(1e-30)
+        largest = whole.abs().max().clamp_min(1e-30)
         gap = (whole - parts).abs().amax(dim=[d for d in range(whole.dim()) if d != dim])
-        if (gap > scale).any():
+        if (gap > torch.finfo(whole.dtype).eps ** 0.5 * largest).any():
             b = int(gap.argmax())
             raise PerSampleHooksError(
                 f"{type(module).__name__}, a unit of the torch.func fallback that vmap cannot "
                 f"batch, gives sample {b} another output {j} when run alone than in the batch "
-                f"(off by {float(gap[b] / whole.abs().max()):.1e} of its largest entry): its "
+                f"(off by {float(gap[b] / largest):.1e} of its largest entry): its "
                 "forward depends on the batch (a branch on a value over the batch, as "
                 "`if x.sum() > 0`; a capacity limit per expert), so per-sample gradients are "
                 "undefined for it. Make the branch per sample, or its input given from outside")
