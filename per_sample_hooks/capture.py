@@ -39,6 +39,11 @@ class Call:
     the call's forward that an add-on asked to watch (:attr:`HookState.watchers`); ``note``:
     what that add-on recorded about the call (opaque here). Empty and None for most modules.
 
+    ``outputs``: for a rule that compares a re-run of the forward with it
+    (:attr:`Rule.keeps_outputs <per_sample_hooks.rules.base.Rule>`), the call's output leaves,
+    detached, each with its version at the forward (None for a leaf that is not a tensor);
+    None for other rules and under ``torch.compile``.
+
     ``hooks``: weak references to the gradient hooks of the call's outputs (and watched
     tensors). Autograd's graph holds those hooks: once all are gone, so is every graph through
     the call's outputs, and a call that has received no gradient by then never will
@@ -47,7 +52,7 @@ class Call:
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "watched", "note", "hooks", "parameters", "recomputed", "__weakref__")
+                 "watched", "note", "hooks", "parameters", "recomputed", "outputs", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -70,6 +75,7 @@ class Call:
         self.hooks: list[weakref.ref] = []
         self.parameters: list[tuple[str, Tensor, int]] | None = None
         self.recomputed = False  # recorded during a backward (activation checkpointing)
+        self.outputs: list[tuple[Tensor, int] | None] | None = None
 
     @property
     def has_grads(self) -> bool:
@@ -145,6 +151,7 @@ class Call:
         """Drop every captured tensor (the gradients' lists in place: the capture hooks hold
         them)."""
         self.args, self.kwargs, self.versions, self.per_sample, self.note = (), {}, [], None, None
+        self.outputs = None
         for passes in (*self.grads, *self.watched):
             passes.clear()
 
@@ -156,7 +163,7 @@ class Call:
         view.grads = [[passes[index]] if index < len(passes) else [] for passes in self.grads]
         view.watched = [[passes[index]] if index < len(passes) else []
                         for passes in self.watched]
-        view.note, view.hooks = self.note, []
+        view.note, view.hooks, view.outputs = self.note, [], self.outputs
         return view
 
     def modified_inputs(self) -> list[int]:
@@ -558,6 +565,9 @@ class HookState:
                 output = expand(output)
                 leaves = (output,)
                 call.args, call.kwargs = map_tensors(expand, (args, kwargs))
+        if rule.keeps_outputs and not compiling:
+            call.outputs = [(t.detach(), t._version) if isinstance(t, Tensor) else None
+                            for t in leaves]
         hooks = []
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:

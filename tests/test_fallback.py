@@ -565,8 +565,8 @@ def test_a_unit_whose_forward_depends_on_the_batch_is_refused_with_the_cause(dty
     try:
         model(x).sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"Branches, a unit of the torch.func "
-                           r"fallback that vmap cannot batch, gives sample 0 another output 0 "
-                           r"when run alone .*depends on the batch"):
+                           r"fallback, gives sample 0 another output 0 when re-run alone, one "
+                           r"at a time \(vmap cannot batch it\), .*depends on the batch"):
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         # every sample on the batch's branch: its Linear's rule is exact
@@ -634,21 +634,80 @@ class CentredLinear(nn.Module):
         return y - y.mean(0, keepdim=True)  # couples the samples
 
 
-def test_a_unit_that_couples_the_samples_is_refused_by_the_check():
-    """A unit whose forward centres over the batch: its per-sample re-run cannot give
-    gradients that sum to the batch's (they are undefined). The check, which used to take the
-    gap for rounding, refuses it in float64, naming the parameter and the unit."""
+class NoisyLinear(nn.Module):
+    """Stochastic depth (timm's ``DropPath``: no ``nn.Dropout`` to be told by type)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        keep = (torch.rand(x.shape[0], 1, dtype=x.dtype) > 0.5).to(x.dtype)
+        return x + self.lin(x) * keep * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("unit", [CentredLinear, NoisyLinear])
+def test_a_unit_whose_re_run_gives_other_outputs_is_refused(unit, dtype):
+    """A unit that centres over the batch (per-sample gradients undefined) or draws random
+    numbers (the re-run would not draw the step's): vmap runs it, and each sample's output
+    differs from the batch's. Refused in float32 too, where the sum of the per-sample gradients
+    cannot tell (rounding of a saturated softmax is as large), naming the unit and the cause;
+    the next step, with the unit's module evaluated in a way that is per sample, is clean."""
     torch.manual_seed(0)
-    model = nn.Sequential(CentredLinear(), nn.Linear(4, 1)).double()
+    model = nn.Sequential(unit(), nn.Linear(4, 1)).to(dtype)
     psh.add_hooks(model, units=["0"])
     try:
-        model(torch.randn(6, 4, dtype=torch.double)).square().sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"parameter '0.lin.(weight|bias)': the "
-                           r"per-sample gradients of '0' do not sum to the gradient .* couples "
-                           r"the samples"):
+        model(torch.randn(6, 4, dtype=dtype)).square().sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=rf"{unit.__name__}, a unit of the "
+                           r"torch.func fallback, gives sample \d another output 0 when re-run "
+                           r"alone, (under torch.func.vmap|one at a time).*depends on the "
+                           r"batch .* or draws random numbers"):
             psh.compute_grad1(model)
     finally:
         psh.remove_hooks(model)
+    model[0].forward = model[0].lin.forward  # per sample: exact
+    assert_matches_loop(model, [torch.randn(6, 4)], units=["0"])
+
+
+class ScaledInPlace(nn.Module):
+    """Changes its unit's output in place after the unit's forward (or not: ``in_place``)."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.in_place = in_place
+        self.block = nn.Sequential(nn.Linear(4, 5), nn.Softplus())  # saves its input only
+        self.head = nn.Linear(5, 2)
+        self.unit_calls = 0
+        self.block.register_forward_hook(lambda *_: setattr(self, "unit_calls",
+                                                            self.unit_calls + 1))
+
+    def forward(self, x):
+        y = self.block(x)
+        return self.head(y.mul_(3.0) if self.in_place else y * 3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_unit_outputs_are_compared_with_the_kept_ones_or_a_re_run(dtype):
+    """The re-run's outputs are compared with those the unit's forward gave (kept, no extra
+    forward: the unit runs twice a step, the forward and the vmapped re-run), or, where the
+    model changed them in place since, with a batched forward (three runs); exact both ways."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=dtype)
+    for in_place, runs in [(False, 2), (True, 3)]:
+        model = ScaledInPlace(in_place).to(dtype)
+        expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+        psh.add_hooks(model, units=["block"])
+        try:
+            weighted_square(model(x)).mean().backward()
+            model.unit_calls = 0
+            psh.compute_grad1(model)
+            assert model.unit_calls == runs - 1  # after the forward
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1.double(), expected[n],
+                                           **loop_tolerance(dtype))
+        finally:
+            psh.remove_hooks(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

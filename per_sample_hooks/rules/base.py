@@ -73,6 +73,11 @@ class Rule:
     #: otherwise include the path through the first.
     copy_outputs: bool = False
 
+    #: Each call keeps its outputs (:attr:`Call.outputs`), for a rule that re-runs the forward
+    #: and compares its outputs with the call's (the fallback: a forward that depends on the
+    #: batch or draws random numbers gives other outputs when re-run by sample).
+    keeps_outputs: bool = False
+
     #: The rule reads the parameters' values (not only their shapes): a re-run of the layer
     #: (fallback, attention, recurrence) or a weight product. On an FSDP2 (``fully_shard``)
     #: model, whose parameters are shards outside the forward, the ``compute_*`` calls gather

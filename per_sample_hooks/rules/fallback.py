@@ -274,6 +274,8 @@ def _batched_initial_state(module: nn.RNNBase | nn.RNNCellBase, args: tuple, kwa
 class FallbackRule(Rule):
     """Per-sample gradients of a whole unit by ``torch.func.vmap`` over ``torch.func.vjp``."""
 
+    keeps_outputs = True  # compared with the re-run's (call_grad1)
+
     def batch_size(self, module: nn.Module, call: Call) -> int:
         return _lookup_layout(module)(module, call).batch_size
 
@@ -371,15 +373,12 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         return [leaves[j] for j in out_leaves]
 
     def rerun(values: list, grads: list) -> tuple[list[Tensor], tuple[Tensor, ...]]:
-        """One sample's outputs (batch dim of size 1) and per-sample gradients."""
+        """One sample's outputs (its batch dim dropped) and per-sample gradients."""
         values = [_per_sample(v, s) if s is not None else v for v, s in zip(values, arg_specs)]
         args, kwargs = values[:n_args], dict(zip(keys, values[n_args:]))
         out, vjp = torch.func.vjp(lambda weights: outputs(args, kwargs, weights), trainable)
         (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
-        return out, tuple(result[n] for n in names)
-
-    def sample_grads(values: list, grads: list) -> tuple[Tensor, ...]:
-        return rerun(values, grads)[1]
+        return [o.squeeze(s) for o, s in zip(out, out_specs)], tuple(result[n] for n in names)
 
     # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
     # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
@@ -390,25 +389,31 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                                         nn.LSTMCell.forward)}
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
+    failure = None
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), power_iterations_off(module):
             try:
-                return torch.func.vmap(sample_grads, in_dims=(in_dims, out_specs))(flat_args,
-                                                                                    cotangents)
+                alone, grads = torch.func.vmap(rerun, in_dims=(in_dims, out_specs),
+                                               out_dims=(out_specs, 0))(flat_args, cotangents)
             except (RuntimeError, ValueError, TypeError) as error:
                 if isinstance(error, PerSampleHooksError):
                     raise
                 failure = error
-            try:
-                grads, alone = _one_sample_at_a_time(rerun, flat_args, in_dims, cotangents,
-                                                     out_specs, layout.batch_size)
-            except (RuntimeError, ValueError, TypeError) as error:
-                if isinstance(error, PerSampleHooksError):
-                    raise
-                raise _unbatchable(module, recurrent, error) from error
+            if failure is not None:
+                try:
+                    alone, grads = _one_sample_at_a_time(rerun, flat_args, in_dims, cotangents,
+                                                         out_specs, layout.batch_size)
+                except (RuntimeError, ValueError, TypeError) as error:
+                    if isinstance(error, PerSampleHooksError):
+                        raise
+                    raise _unbatchable(module, recurrent, error) from error
             with torch.no_grad():
-                _outputs_agree(module, outputs(call.args, call.kwargs, trainable), alone,
-                               out_specs)
+                batched = _kept_outputs(call, out_leaves, alone)
+                if batched is None:
+                    batched = outputs(call.args, call.kwargs, trainable)
+                _outputs_agree(module, batched, alone, out_specs, failure is not None)
+        if failure is None:
+            return grads
         warnings.warn(
             f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one sample "
             "at a time, since torch.func.vmap cannot batch its forward "
@@ -432,39 +437,62 @@ def _sample(value: object, dim: object, b: int) -> object:
 
 def _one_sample_at_a_time(rerun: Callable, values: list, in_dims: list, grads: list[Tensor],
                           out_dims: list[int], batch_size: int
-                          ) -> tuple[tuple[Tensor, ...], list[Tensor]]:
-    """``vmap(sample_grads, in_dims=(in_dims, out_dims))(values, grads)`` by a loop over the
-    samples, for forwards that ``vmap`` cannot batch (a branch on tensor values, a shape that
-    depends on them: a mixture of experts' routing); with the samples' outputs, stacked along
-    ``out_dims``."""
-    sample_grads, outputs = [], []
+                          ) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+    """``vmap(rerun, in_dims=(in_dims, out_dims), out_dims=(out_dims, 0))(values, grads)`` by a
+    loop over the samples, for forwards that ``vmap`` cannot batch (a branch on tensor values,
+    a shape that depends on them: a mixture of experts' routing): the samples' outputs, stacked
+    along ``out_dims``, and their gradients."""
+    outputs, sample_grads = [], []
     for b in range(batch_size):
         out, sample = rerun([_sample(v, d, b) for v, d in zip(values, in_dims)],
                             [g.select(d, b) for g, d in zip(grads, out_dims)])
+        outputs.append(out)
         sample_grads.append(sample)
-        outputs.append([o.squeeze(d) for o, d in zip(out, out_dims)])
-    return (tuple(torch.stack(column) for column in zip(*sample_grads)),
-            [torch.stack(column, d) for column, d in zip(zip(*outputs), out_dims)])
+    return ([torch.stack(column, d) for column, d in zip(zip(*outputs), out_dims)],
+            tuple(torch.stack(column) for column in zip(*sample_grads)))
+
+
+def _kept_outputs(call: Call, leaves: list[int], alone: list[Tensor]) -> list[Tensor] | None:
+    """The outputs ``leaves`` of ``call`` as its forward gave them (:attr:`Call.outputs`), or
+    None where they were not kept, or changed in place since, or are not in the dtype of the
+    re-run (``alone``: a call cast to its parameters' dtype)."""
+    if call.outputs is None:
+        return None
+    kept = [call.outputs[j] for j in leaves]
+    if any(k is None or k[0]._version != k[1] or k[0].dtype != a.dtype
+           for k, a in zip(kept, alone)):
+        return None
+    return [tensor for tensor, _ in kept]
 
 
 def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor],
-                   dims: list[int]) -> None:
-    """Refuse a unit whose samples, run alone, give other outputs than in the batch: its
-    forward depends on the batch (a branch on a batch-wide value, ``if x.sum() > 0``; a limit
-    on tokens per expert), so its per-sample gradients are undefined. Each output is compared
-    within ``sqrt(eps)`` of its largest entry (rounding of batched against single kernels)."""
+                   dims: list[int], looped: bool) -> None:
+    """Refuse a unit whose samples, re-run alone (``looped``: one at a time, else under
+    ``vmap``), give other outputs than the batch did: its forward depends on the batch (a
+    statistic over the batch, ``y - y.mean(0)``; a branch on a batch-wide value,
+    ``if x.sum() > 0``; a limit on tokens per expert) or draws random numbers, so its
+    per-sample gradients are not those of the step. Each output is compared within
+    ``sqrt(eps)`` of its largest entry (rounding of batched against single kernels)."""
     for j, (whole, parts, dim) in enumerate(zip(batched, alone, dims)):
-        largest = whole.abs().max().clamp_min(1e-30)
-        gap = (whole - parts).abs().amax(dim=[d for d in range(whole.dim()) if d != dim])
-        if (gap > torch.finfo(whole.dtype).eps ** 0.5 * largest).any():
+        if whole.shape != parts.shape:
+            gap, b, off = None, 0, f"of shape {tuple(parts.shape)}, not {tuple(whole.shape)}"
+        else:
+            largest = whole.abs().max().clamp_min(1e-30)
+            gap = (whole - parts).abs().amax(dim=[d for d in range(whole.dim()) if d != dim])
             b = int(gap.argmax())
-            raise PerSampleHooksError(
-                f"{type(module).__name__}, a unit of the torch.func fallback that vmap cannot "
-                f"batch, gives sample {b} another output {j} when run alone than in the batch "
-                f"(off by {float(gap[b] / largest):.1e} of its largest entry): its "
-                "forward depends on the batch (a branch on a value over the batch, as "
-                "`if x.sum() > 0`; a capacity limit per expert), so per-sample gradients are "
-                "undefined for it. Make the branch per sample, or its input given from outside")
+            off = f"off by {float(gap[b] / largest):.1e} of its largest entry"
+            if not (gap > torch.finfo(whole.dtype).eps ** 0.5 * largest).any():
+                continue
+        how = "one at a time (vmap cannot batch it)" if looped else "under torch.func.vmap"
+        raise PerSampleHooksError(
+            f"{type(module).__name__}, a unit of the torch.func fallback, gives sample {b} "
+            f"another output {j} when re-run alone, {how}, than in the batch ({off}): its "
+            "forward depends on the batch (a statistic over the batch, as `y - y.mean(0)`; "
+            "a branch on a value over the batch, as `if x.sum() > 0`; a capacity limit per "
+            "expert) or draws random numbers (noise, stochastic depth), so its per-sample "
+            "gradients would not be those of the step. Compute such statistics and branches "
+            "per sample, or outside the unit; draw random numbers outside it, or use "
+            "model.eval() for the step")
 
 
 def _unbatchable(module: nn.Module, recurrent: dict[str, nn.Module], error: Exception
