@@ -549,18 +549,24 @@ class HookState:
         if rule.needs_parameter_values and not compiling:
             call.parameters = [(n, p, p._version)
                                for n, p in owner.named_parameters(recurse=owner in self.units)]
+        own_batch = None
         if status.batch is None:
-            batch = self._batch_or_none(owner, call)
-            if batch is not None and batch > 1:
-                status.batch = batch
-        elif self.broadcast and isinstance(output, Tensor) and output.dim() > batch_dim \
-                and output.shape[batch_dim] == 1 and self._batch_or_none(owner, call) == 1:
-            if _carries_gradient(given_args, given_kwargs):
+            own_batch = self._batch_or_none(owner, call)
+            if own_batch is not None and own_batch > 1:
+                status.batch = own_batch
+        if status.batch is not None and self.broadcast and isinstance(output, Tensor) \
+                and output.dim() > batch_dim and output.shape[batch_dim] == 1:
+            if own_batch is None:
+                own_batch = self._batch_or_none(owner, call)
+            carries_gradient = _carries_gradient(given_args, given_kwargs)
+            if own_batch == 1 and carries_gradient:
                 # computed from trainable parameters: shared by the samples before this call
                 # too, and the model's code may rely on its size 1 (DeBERTa repeats it by B):
                 # left as it is, refused by compute_*
                 status.shared_computation = status.shared_computation or name
-            else:
+            elif own_batch in (1, status.batch) and not carries_gradient:
+                # (called with the batch, an output of size 1 all the same: positions from their
+                # ids [1, T] alone, BART's decoder `embed_positions(input_ids, position_ids=)`)
                 expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
                 output = expand(output)
                 leaves = (output,)

@@ -183,11 +183,13 @@ def clipping_coefficients(norms: Tensor, max_grad_norm: float) -> Tensor:
 def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
     """Every parameter that backward gave a gradient must be one we can clip."""
     covered = {id(p) for layer in step.layers for p in layer.parameters.values()}
+    # (a parameter of several modules, BART's word embeddings: seen if one of them was called)
+    reached = {id(p) for layer in step.layers if layer.calls for p in layer.parameters.values()}
     for layer in step.layers:
         for local, p in layer.parameters.items():
             # a sharded p.grad (FSDP2) holds the other ranks' gradients too: not checked
-            if not layer.calls and p.grad is not None and not is_sharded(p) \
-                    and bool(p.grad.any()):
+            if not layer.calls and id(p) not in reached and p.grad is not None \
+                    and not is_sharded(p) and bool(p.grad.any()):
                 raise PerSampleHooksError(
                     f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero gradient "
                     "but its module's output did not reach the loss in this step: either the "

@@ -229,10 +229,11 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "`pos_emb(torch.arange(T)[None])`; called without the batch dim, "
             "`pos_emb(torch.arange(T))`, or before any module saw the batch, it mixes the "
             "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`, "
-            "or, in code you do not change (the relative position biases of transformers' T5, "
-            "BEiT, Swin), make the module that adds its output to the batch's (an attention "
-            "layer, a transformer block) one unit of the torch.func fallback, "
-            "add_hooks(model, units=[...])" + ("" if hint is None else f". {hint}"))
+            "or, in code you do not change (the relative position biases of transformers' "
+            "BEiT, Swin, T5), make a module that holds every use of its output (the attention "
+            "layer or transformer block that adds it to the batch's; T5 passes it from layer "
+            "to layer: each stack, units=['encoder', 'decoder']) one unit of the torch.func "
+            "fallback, add_hooks(model, units=[...])" + ("" if hint is None else f". {hint}"))
     batch_size = next(iter(sizes))
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()

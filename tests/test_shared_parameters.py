@@ -53,6 +53,22 @@ class TiedToFallback(nn.Module):
         return self.head(h) + self.out(h)
 
 
+class HeldByAnUncalledModule(nn.Module):
+    """BART's word embeddings: a table held by a module never called (``shared``) and by the
+    two that are (the encoder's embedding, the output layer)."""
+
+    def __init__(self, vocab=9, dim=4):
+        super().__init__()
+        self.shared = nn.Embedding(vocab, dim)
+        self.embed = nn.Embedding(vocab, dim)
+        self.embed.weight = self.shared.weight
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.shared.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.embed(tokens)))
+
+
 def cases():
     g = seeded(0)
     return {
@@ -60,6 +76,8 @@ def cases():
         "embedding-and-output": (lambda: TiedLanguageModel(vocab=13, dim=8, heads=2, length=5),
                                  lambda: [torch.randint(0, 13, (4, 5), generator=g)]),
         "three-kinds": (TiedToFallback, lambda: [torch.randint(0, 11, (4, 6), generator=g)]),
+        "held-by-an-uncalled-module": (HeldByAnUncalledModule,
+                                       lambda: [torch.randint(0, 9, (4, 3), generator=g)]),
     }
 
 

@@ -2,9 +2,10 @@
 embeddings and broadcast position ids, BERT with a padding mask, Llama with tied embeddings and
 grouped-query attention, ViT with its class token and position embeddings, wav2vec2 on raw
 audio, ALBERT's shared layers, DistilBERT, BLOOM's ALiBi, GPT-NeoX, Phi, Gemma, ConvNeXt's
-LayerScale) and peft LoRA, exact against the float64 per-sample loop for grad1, norms, clipping and
-a DPSGD step; no module is a torch.func fallback unit but wav2vec2's weight-normed positional
-convolution."""
+LayerScale), BART (tied embeddings held by a module never called, decoder positions looked
+up as [1, T]) and peft LoRA, exact against the float64 per-sample loop for grad1, norms,
+clipping and a DPSGD step; no module is a torch.func fallback unit but wav2vec2's weight-normed
+positional convolution."""
 from __future__ import annotations
 
 import copy
@@ -146,6 +147,25 @@ def wav2vec2() -> nn.Module:
     return transformers.Wav2Vec2ForSequenceClassification(config)
 
 
+def bart() -> nn.Module:
+    """An encoder-decoder whose decoder computes its learned positions from position ids
+    ``[1, T]`` while called with the batch's ``input_ids``."""
+    config = transformers.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2,
+                                     encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB,
+                                     max_position_embeddings=32, dropout=0, attention_dropout=0,
+                                     activation_dropout=0, pad_token_id=1,
+                                     decoder_start_token_id=2)
+    return transformers.BartForConditionalGeneration(config)
+
+
+def seq2seq_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    """Source ids and 5 target ids per sample (no padding: the loss is the mean of the
+    samples')."""
+    return {"input_ids": torch.randint(2, VOCAB, (B, T), generator=generator),
+            "labels": torch.randint(2, VOCAB, (B, 5), generator=generator)}
+
+
 def causal_lm_batch(generator: torch.Generator) -> dict[str, Tensor]:
     ids = torch.randint(0, VOCAB, (B, T), generator=generator)
     return {"input_ids": ids, "labels": ids}
@@ -177,7 +197,7 @@ MODELS = {"gpt2": (gpt2, causal_lm_batch), "bert": (bert, classification_batch),
           "distilbert": (distilbert, classification_batch),
           "bloom": (bloom, causal_lm_batch), "gpt-neox": (gpt_neox, causal_lm_batch),
           "phi": (phi, causal_lm_batch), "gemma": (gemma, causal_lm_batch),
-          "convnext": (convnext, image_batch)}
+          "convnext": (convnext, image_batch), "bart": (bart, seq2seq_batch)}
 UNITS = {"wav2vec2": ["wav2vec2.encoder.pos_conv_embed.conv"]}
 """The fallback units of each model (a reparametrized weight: ``per_sample_hooks.reparametrized``);
 every other module has a native rule."""
@@ -206,10 +226,13 @@ def loss_of(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     by one, mean over tokens and samples) is taken from the logits."""
     if next(model.parameters()).dtype != torch.float64:
         return model(**batch).loss
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits, labels = model(**inputs).logits, batch["labels"]
-    if labels.dim() == 2:  # next-token prediction
-        logits, labels = logits[:, :-1], labels[:, 1:]
+    labels = batch["labels"]
+    if model.config.is_encoder_decoder:  # the labels, shifted right, are the decoder's input
+        logits = model(**batch).logits
+    else:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        if labels.dim() == 2:  # next-token prediction
+            logits, labels = logits[:, :-1], labels[:, 1:]
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
@@ -229,10 +252,10 @@ def loop_grads(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
 
 
-FLOAT32_INSIDE = {"llama", "gemma", "mixtral"}
-"""Models that compute in float32 whatever their dtype (LlamaRMSNorm upcasts to float32 and
-casts back; the rotary embedding is float32): in float64 their plain batch gradient itself
-differs from the mean of the loop's by about 5e-8 of its largest entry."""
+FLOAT32_INSIDE = {"llama", "gemma", "mixtral", "t5"}
+"""Models that compute in float32 whatever their dtype (LlamaRMSNorm and T5LayerNorm upcast
+to float32 and cast back; the rotary embedding is float32): in float64 their plain batch
+gradient itself differs from the mean of the loop's by about 5e-8 of its largest entry."""
 
 
 def tolerances(dtype: torch.dtype, name: str) -> dict[str, float]:
@@ -417,28 +440,43 @@ def swin() -> nn.Module:
     return transformers.SwinForImageClassification(config)
 
 
-RELATIVE_BIASES = {  # model, the module refused, the units that make it exact
-    "beit": (beit, "beit.layers.0.relative_position_bias", lambda m: list(m.beit.layers)),
-    "swin": (swin, "swin.encoder.layers.0.blocks.0.attention.relative_position_bias",
+def t5() -> nn.Module:
+    config = transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                                   vocab_size=VOCAB, dropout_rate=0,
+                                   relative_attention_num_buckets=8, decoder_start_token_id=0,
+                                   pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+RELATIVE_BIASES = {  # model, its batch, the size and module refused, the units that make it exact
+    "beit": (beit, image_batch, "1 \\(at 'beit.layers.0.relative_position_bias'\\)",
+             lambda m: list(m.beit.layers)),
+    "swin": (swin, image_batch,
+             "1 \\(at 'swin.encoder.layers.0.blocks.0.attention.relative_position_bias'\\)",
              lambda m: list(m.swin.encoder.layers)),
+    "t5": (t5, seq2seq_batch,
+           "7 \\(at 'encoder.block.0.layer.0.SelfAttention.relative_attention_bias'\\)"
+           ".*T5.*each stack",
+           lambda m: [m.encoder, m.decoder]),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(RELATIVE_BIASES))
 def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) -> None:
-    """BEiT's and Swin's attention adds a bias looked up in a trainable table without the
-    batch (Swin's windows are folded into the batch too): compute_* refuses naming the module
-    and ``units=``; their layers as units are exact."""
-    make, refused, units = RELATIVE_BIASES[name]
+    """BEiT's, Swin's and T5's attention adds a bias looked up in a trainable table without
+    the batch (Swin's windows are folded into the batch too; T5's first layer passes its bias
+    on to the others): compute_* refuses naming the module and ``units=``; the layers as units
+    (T5: its encoder and decoder, which hold every use of the bias) are exact."""
+    make, batch_of, refused, units = RELATIVE_BIASES[name]
     torch.manual_seed(0)
     model = make().to(dtype).train()
     batch = {k: v.to(dtype) if v.is_floating_point() else v
-             for k, v in image_batch(seeded(1)).items()}
+             for k, v in batch_of(seeded(1)).items()}
     try:
         psh.add_hooks(model)
         loss_of(model, batch).backward()
-        with pytest.raises(psh.PerSampleHooksError, match=rf"1 \(at '{refused}'\).*units="):
+        with pytest.raises(psh.PerSampleHooksError, match=rf"{refused}.*units="):
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         psh.add_hooks(model, units=units(model))

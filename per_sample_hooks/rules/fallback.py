@@ -474,6 +474,9 @@ def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor]
     per-sample gradients are not those of the step. Each output is compared within
     ``sqrt(eps)`` of its largest entry (rounding of batched against single kernels)."""
     for j, (whole, parts, dim) in enumerate(zip(batched, alone, dims)):
+        if whole.shape[dim] == 1 and whole.shape[:dim] + whole.shape[dim + 1:] == \
+                parts.shape[:dim] + parts.shape[dim + 1:]:
+            whole = whole.expand_as(parts)  # shared by the samples, as the capture took it
         if whole.shape != parts.shape:
             gap, b, off = None, 0, f"of shape {tuple(parts.shape)}, not {tuple(whole.shape)}"
         else:
