@@ -11,6 +11,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -205,11 +206,28 @@ def refused_by_reentrant_checkpointing(error: RuntimeError) -> bool:
     return "use_reentrant=True" in str(error)
 
 
+_RE_RUNNING: ContextVar[bool] = ContextVar("per_sample_hooks_re_running", default=False)
+"""Inside :func:`not_recorded` (context-local, as grad mode is)."""
+
+
+@contextmanager
+def not_recorded() -> Iterator[None]:
+    """Calls of hooked modules inside are not recorded, as inside a ``torch.func`` transform:
+    for a rule's re-run of a forward by plain autograd (the fallback's loop over samples)."""
+    token = _RE_RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _RE_RUNNING.reset(token)
+
+
 def _inside_torch_func(compiling: bool) -> bool:
-    """Whether a ``torch.func`` transform is running: calls there (the fallback's re-runs of a
-    module's forward, or the user's own transforms) are not steps and are not recorded. Under
-    ``torch.compile`` (``compiling``) dynamo traces the hook; the stack is its own business."""
-    return not compiling and torch._C._functorch.peek_interpreter_stack() is not None
+    """Whether a ``torch.func`` transform (or :func:`not_recorded`) is running: calls there (the
+    fallback's re-runs of a module's forward, or the user's own transforms) are not steps and
+    are not recorded. Under ``torch.compile`` (``compiling``) dynamo traces the hook; the stack
+    is its own business."""
+    return not compiling and (torch._C._functorch.peek_interpreter_stack() is not None
+                              or _RE_RUNNING.get())
 
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,

@@ -516,27 +516,34 @@ def test_recurrent_dropout_in_unit_refused_in_training_only():
         assert_matches_loop(model, [torch.randn(3, 4, 3)], units=["enc"])
 
 
-def test_packed_sequence_in_unit_refused():
+class Packing(Encoder):
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        y, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
+                                   total_length=x.shape[1])
+        return self.lin(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_sequence_in_unit_is_re_run_one_sample_at_a_time(dtype):
     """pack_padded_sequence inside a unit: lengths that differ by sample cannot be vmapped;
-    refused with the unit, its recurrent layer and what to do."""
-    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
-
-    class Packing(Encoder):
-        def forward(self, x, lengths):
-            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-            y, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
-                                       total_length=x.shape[1])
-            return self.lin(y)
-
+    each sample is packed with its own length by the loop over samples (plain autograd, which
+    packing needs), with the warning; exact against the float64 loop."""
     torch.manual_seed(0)
-    model = Packing("GRU", True).double()
+    model = Packing("GRU", True)
+    x, lengths = torch.randn(3, 4, 3), torch.tensor([4, 2, 1], device="cpu")
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double(), lengths],
+                          weighted_square, 3)
+    model, x = model.to(dtype), x.to(dtype)
     psh.add_hooks(model, units=[""])
     try:
-        lengths = torch.tensor([4, 2, 1], device="cpu")  # pack_padded_sequence's
-        model(torch.randn(3, 4, 3, dtype=torch.double), lengths).sum().backward()
-        with pytest.raises(psh.PerSampleHooksError,
-                           match=r"Packing, a unit .* recurrent layers 'rnn' \(GRU\).*own rule"):
+        weighted_square(model(x, lengths)).mean().backward()
+        with pytest.warns(UserWarning, match="Packing, a unit of the torch.func fallback, is "
+                          "re-run one sample at a time"):
             psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
     finally:
         psh.remove_hooks(model)
 
@@ -597,12 +604,39 @@ class TopOneExperts(nn.Module):
         return out.reshape(x.shape)
 
 
+class Swish(torch.autograd.Function):
+    """An autograd.Function of the old style (``forward(ctx, ...)``, no ``setup_context``),
+    which torch.func cannot transform (PhiMoE's router is one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        sigmoid = torch.sigmoid(x)
+        return grad * (sigmoid + x * sigmoid * (1 - sigmoid))
+
+
+class SwishUnit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Swish.apply(self.lin(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_unit_vmap_cannot_batch_is_re_run_one_sample_at_a_time(dtype):
-    """Data-dependent routing in a unit: exact against the float64 loop, re-run one sample at
-    a time with a warning that says so; norms and clipping follow."""
+@pytest.mark.parametrize("unit", [TopOneExperts, SwishUnit])
+def test_a_unit_vmap_cannot_batch_is_re_run_one_sample_at_a_time(unit, dtype):
+    """Data-dependent routing in a unit, or an autograd.Function torch.func cannot transform:
+    exact against the float64 loop, re-run one sample at a time with a warning that says so;
+    norms follow."""
     torch.manual_seed(0)
-    model = nn.Sequential(TopOneExperts(), nn.Linear(4, 2))
+    model = nn.Sequential(unit(), nn.Linear(4, 2))
     x = torch.randn(5, 6, 4)
     expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
     model, x = model.to(dtype), x.to(dtype)
@@ -610,8 +644,8 @@ def test_a_unit_vmap_cannot_batch_is_re_run_one_sample_at_a_time(dtype):
     psh.add_hooks(model, units=["0"], check_unseen="always")
     try:
         weighted_square(model(x)).mean().backward()
-        with pytest.warns(UserWarning, match="TopOneExperts, a unit of the torch.func fallback, "
-                          "is re-run one sample at a time"):
+        with pytest.warns(UserWarning, match=f"{unit.__name__}, a unit of the torch.func "
+                          "fallback, is re-run one sample at a time"):
             psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **tolerance)

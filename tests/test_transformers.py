@@ -252,7 +252,7 @@ def loop_grads(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(params)}
 
 
-FLOAT32_INSIDE = {"llama", "gemma", "mixtral", "t5"}
+FLOAT32_INSIDE = {"llama", "gemma", "mixtral", "qwen2moe", "phimoe", "t5"}
 """Models that compute in float32 whatever their dtype (LlamaRMSNorm and T5LayerNorm upcast
 to float32 and cast back; the rotary embedding is float32): in float64 their plain batch
 gradient itself differs from the mean of the loop's by about 5e-8 of its largest entry."""
@@ -540,34 +540,45 @@ def test_frozen_modules_capture_nothing() -> None:
         psh.remove_hooks(model)
 
 
-def mixtral(implementation: str) -> nn.Module:
-    config = transformers.MixtralConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=32, vocab_size=VOCAB, max_position_embeddings=32, num_local_experts=4,
-        num_experts_per_tok=2, experts_implementation=implementation)
-    return transformers.MixtralForCausalLM(config)
+def mixture_of_experts(family: str, implementation: str) -> nn.Module:
+    """Mixtral, Qwen2-MoE (a shared expert besides the routed ones), PhiMoE (its router an
+    autograd.Function that torch.func cannot transform, sampling in training mode)."""
+    sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=32, vocab_size=VOCAB,
+                 max_position_embeddings=32, num_experts_per_tok=2,
+                 experts_implementation=implementation, router_aux_loss_coef=0.0)
+    if family == "qwen2moe":
+        config = transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
+                                             shared_expert_intermediate_size=16, **sizes)
+        return transformers.Qwen2MoeForCausalLM(config)
+    config = getattr(transformers, f"{family.capitalize()}Config")(num_local_experts=4, **sizes)
+    return getattr(transformers, f"{family.capitalize()}ForCausalLM")(config)
 
 
 MOE_BLOCKS = ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
-@pytest.mark.parametrize("implementation, dtype", [
-    ("eager", torch.float64), ("eager", torch.float32), ("grouped_mm", torch.float32)])
-def test_mixture_of_experts_blocks_as_units_are_exact(implementation, dtype) -> None:
-    """Mixtral: its experts see the batch's tokens merged into one dim ([B * T, H]) and routed,
-    which only the block that merges them can tell apart. Hooked as it is, the refusal names
-    that block; with each block a unit, grad1, norms and clipping match the float64 loop (the
-    eager experts' routing by value is re-run one sample at a time, grouped_mm's by vmap).
-    The loop runs the eager experts: grouped_mm has no float64 kernel."""
-    MODELS["mixtral"] = (lambda: mixtral(implementation), causal_lm_batch)
+@pytest.mark.parametrize("family, implementation, dtype", [
+    ("mixtral", "eager", torch.float64), ("mixtral", "eager", torch.float32),
+    ("mixtral", "grouped_mm", torch.float32), ("qwen2moe", "eager", torch.float32),
+    ("phimoe", "eager", torch.float64), ("phimoe", "eager", torch.float32)])
+def test_mixture_of_experts_blocks_as_units_are_exact(family, implementation, dtype) -> None:
+    """Mixtral, Qwen2-MoE, PhiMoE: their experts see the batch's tokens merged into one dim
+    ([B * T, H]) and routed, which only the block that merges them can tell apart. Hooked as it
+    is, the refusal names that block; with each block a unit, grad1, norms and clipping match
+    the float64 loop (the eager experts' routing by value, and PhiMoE's router, are re-run one
+    sample at a time, grouped_mm's by vmap). PhiMoE samples its routing in training mode: its
+    units are refused there as drawing random numbers, and exact in eval mode. The loop runs
+    the eager experts: grouped_mm has no float64 kernel."""
+    MODELS[family] = (lambda: mixture_of_experts(family, implementation), causal_lm_batch)
     try:
-        model, batch = build("mixtral", dtype)
+        model, batch = build(family, dtype)
     finally:
-        del MODELS["mixtral"]
+        del MODELS[family]
     psh.add_hooks(model)
     try:
         loss_of(model, batch).backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"'model.layers.0.mlp.experts' .*"
+        with pytest.raises(psh.PerSampleHooksError, match=r"'model.layers.0.mlp.\w+' .*"
                            r"called with 21 rows, 7 times the batch of 3.*"
                            r"units=\['model.layers.0.mlp'\]"):
             psh.compute_grad1(model)
@@ -575,6 +586,15 @@ def test_mixture_of_experts_blocks_as_units_are_exact(implementation, dtype) -> 
         psh.remove_hooks(model)
     psh.add_hooks(model, units=MOE_BLOCKS, check_unseen="always")
     try:
+        if family == "phimoe":
+            model.zero_grad(set_to_none=True)
+            loss_of(model, batch).backward()
+            with pytest.raises(psh.PerSampleHooksError, match=r"PhimoeSparseMoeBlock, a unit .*"
+                               r"another output 0 when re-run alone.*draws random numbers"), \
+                    warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                psh.compute_grad1(model)
+            model.eval()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the one-sample-at-a-time re-run's
             got = grad1_rows(model, batch)
@@ -585,7 +605,7 @@ def test_mixture_of_experts_blocks_as_units_are_exact(implementation, dtype) -> 
         psh.remove_hooks(model)
     model.config._experts_implementation = "eager"
     expected = loop_grads(model, batch)
-    assert_rows_close(got, expected, dtype, "mixtral")
+    assert_rows_close(got, expected, dtype, family)
     total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
-    torch.testing.assert_close(norms.double(), total, **tolerances(dtype, "mixtral"))
-    assert_rows_close(clipped, loop_clipped(expected, total, 0.5, "mean"), dtype, "mixtral")
+    torch.testing.assert_close(norms.double(), total, **tolerances(dtype, family))
+    assert_rows_close(clipped, loop_clipped(expected, total, 0.5, "mean"), dtype, family)

@@ -6,17 +6,19 @@ vector-Jacobian product of ``f`` restricted to that sample::
 
     grad1[b] = vjp(params -> f(params, args[b], kwargs[b]))(g[b])
 
-computed for all samples at once with ``vmap``, or, for a forward that ``vmap`` cannot batch
-(a branch on tensor values, a shape that depends on them: a mixture of experts' routing), by a
-loop over the samples, with a warning; the loop's outputs are compared with the batch's, and a
-unit whose samples alone give other outputs (its forward depends on the batch) is refused, as
-is BatchNorm with batch statistics inside a unit. Each sample keeps a batch dim of size 1, so a
-forward that needs batched inputs (``x.view(x.shape[0], -1)``, a 3-D attention input) runs
-unchanged. Tensor arguments whose size at the batch dim is not the batch size (attention masks,
-constants) are shared by all samples; tensors inside a tuple, list or dict argument (an LSTM
-state ``(h, c)``) are split or shared the same way, one by one. The module is handled as one
-*unit*: parameters of its children are included (``nn.MultiheadAttention`` uses
-``out_proj.weight`` without calling ``out_proj``), and the children are not hooked separately.
+computed for all samples at once with ``vmap``, or, for a forward that ``vmap`` cannot batch (a
+branch on tensor values, a shape that depends on them: a mixture of experts' routing, packing
+sequences of the samples' lengths) or ``torch.func`` cannot transform (an ``autograd.Function``
+without ``setup_context``), by a loop over the samples with plain autograd, with a warning. The
+re-run's outputs are compared with the batch's, and a unit whose samples alone give other
+outputs (its forward depends on the batch or draws random numbers) is refused, as is BatchNorm
+with batch statistics inside a unit. Each sample keeps a batch dim of size 1, so a forward that
+needs batched inputs (``x.view(x.shape[0], -1)``, a 3-D attention input) runs unchanged. Tensor
+arguments whose size at the batch dim is not the batch size (attention masks, constants) are
+shared by all samples; tensors inside a tuple, list or dict argument (an LSTM state ``(h, c)``)
+are split or shared the same way, one by one. The module is handled as one *unit*: parameters
+of its children are included (``nn.MultiheadAttention`` uses ``out_proj.weight`` without
+calling ``out_proj``), and the children are not hooked separately.
 
 Where the samples sit in each argument and output is the module's *layout*: by default the
 module's ``batch_dim`` (from ``add_hooks``) for every tensor whose size there is the batch size;
@@ -25,8 +27,7 @@ module's ``batch_dim`` (from ``add_hooks``) for every tensor whose size there is
 
 Recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` and their cells) inside a unit get an
 initial state batched over the samples in the re-run (their own zeros are not, and they write
-into them in place); packed sequences inside a unit (lengths that differ by sample) cannot be
-split by sample: refused.
+into them in place).
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..capture import Call, summed_passes
+from ..capture import Call, not_recorded, summed_passes
 from ..errors import PerSampleHooksError
 from ..reparametrized import power_iterations_off
 from .base import Rule
@@ -372,11 +374,12 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         leaves = tree_flatten(output)[0]
         return [leaves[j] for j in out_leaves]
 
-    def rerun(values: list, grads: list) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+    def rerun(values: list, grads: list, vjp: Callable = torch.func.vjp
+              ) -> tuple[list[Tensor], tuple[Tensor, ...]]:
         """One sample's outputs (its batch dim dropped) and per-sample gradients."""
         values = [_per_sample(v, s) if s is not None else v for v, s in zip(values, arg_specs)]
         args, kwargs = values[:n_args], dict(zip(keys, values[n_args:]))
-        out, vjp = torch.func.vjp(lambda weights: outputs(args, kwargs, weights), trainable)
+        out, vjp = vjp(lambda weights: outputs(args, kwargs, weights), trainable)
         (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
         return [o.squeeze(s) for o, s in zip(out, out_specs)], tuple(result[n] for n in names)
 
@@ -401,7 +404,8 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                 failure = error
             if failure is not None:
                 try:
-                    alone, grads = _one_sample_at_a_time(rerun, flat_args, in_dims, cotangents,
+                    alone, grads = _one_sample_at_a_time(partial(rerun, vjp=_autograd_vjp),
+                                                         flat_args, in_dims, cotangents,
                                                          out_specs, layout.batch_size)
                 except (RuntimeError, ValueError, TypeError) as error:
                     if isinstance(error, PerSampleHooksError):
@@ -416,7 +420,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
             return grads
         warnings.warn(
             f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one sample "
-            "at a time, since torch.func.vmap cannot batch its forward "
+            "at a time, since torch.func cannot batch its forward "
             f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample gradients are "
             "exact, at the cost of a forward and backward of the unit per sample; smaller units "
             "whose forward vmap can batch (no branch on tensor values) are faster", stacklevel=2)
@@ -433,6 +437,24 @@ def _sample(value: object, dim: object, b: int) -> object:
     if isinstance(dim, CONTAINERS):
         return _on_batched_leaves(value, dim, lambda leaf, d: leaf.select(d, b))
     return value.select(dim, b)
+
+
+def _autograd_vjp(fn: Callable[[dict[str, Tensor]], list[Tensor]], primals: dict[str, Tensor]
+                  ) -> tuple[list[Tensor], Callable]:
+    """``torch.func.vjp(fn, primals)`` by plain autograd, for the loop over samples: it also
+    runs forwards that ``torch.func`` cannot transform (an ``autograd.Function`` without
+    ``setup_context``: PhiMoE's router)."""
+    leaves = {n: p.detach().requires_grad_() for n, p in primals.items()}
+    with not_recorded():
+        out = fn(leaves)
+
+    def pullback(cotangents: list[Tensor]) -> tuple[dict[str, Tensor]]:
+        pairs = [(o, g) for o, g in zip(out, cotangents) if o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
+                                    [g for _, g in pairs], allow_unused=True)
+        return ({n: torch.zeros_like(p) if g is None else g
+                 for (n, p), g in zip(leaves.items(), grads)},)
+    return [o.detach() for o in out], pullback
 
 
 def _one_sample_at_a_time(rerun: Callable, values: list, in_dims: list, grads: list[Tensor],
@@ -505,9 +527,8 @@ def _unbatchable(module: nn.Module, recurrent: dict[str, nn.Module], error: Exce
         layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
         return PerSampleHooksError(
             f"{type(module).__name__}, a unit of the torch.func fallback with recurrent "
-            f"layers {layers}, could not be re-run per sample ({error}). Packed sequences "
-            "(pack_padded_sequence: lengths that differ by sample) cannot be split by sample. "
-            "Let the recurrent layers have their own rule (exact, packed sequences included): "
+            f"layers {layers}, could not be re-run per sample ({error}). Let the recurrent "
+            "layers have their own rule (exact, packed sequences included, and faster): "
             "do not make the module that calls them a unit (units=), or move them out of it")
     return PerSampleHooksError(
         f"{type(module).__name__}, a unit of the torch.func fallback, could not be re-run per "
