@@ -377,6 +377,64 @@ def _to_batch(t: object, dim: int, batch: int) -> object:
     return t.expand(shape)
 
 
+class BroadcastOutput(Tensor):
+    """An output of size 1 at the batch dim expanded over the batch (a view, nothing copied),
+    so that each sample's copy gets that sample's gradient: right where the model broadcasts
+    it against the batch's tensors (``h + positions``), each op keeping the batch dim where it
+    is. An op on it whose result moves, merges, selects or reduces the batch dim (Swinv2's
+    ``table.view(-1, heads)[index]``: the samples' gradients would all reach sample 0's copy)
+    is recorded in the step's :attr:`StepStatus.broadcast_misuse` and refused by
+    ``compute_*``; one that cannot run on the expanded view (an in-place op) is refused at
+    once."""
+
+    #: the module's name, its batch dim, the batch size and the step's status
+    expanded: tuple[str, int, int, StepStatus]
+
+    @staticmethod
+    def wrap(t: Tensor, name: str, batch_dim: int, batch: int, status: StepStatus) -> Tensor:
+        view = t.as_subclass(BroadcastOutput)
+        view.expanded = (name, batch_dim, batch, status)
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        views = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, BroadcastOutput)]
+        with torch._C.DisableTorchFunctionSubclass():
+            try:
+                result = func(*args, **kwargs)
+            except RuntimeError as error:
+                module, _, _, status = views[0].expanded
+                status.consumed = True  # the next forward starts a clean step
+                raise PerSampleHooksError(
+                    f"'{module}' was called with batch size 1 and its output, broadcast "
+                    f"over the batch, was expanded to the batch (a view) to tell the samples' "
+                    f"gradients apart; the model's {_op_name(func)} on it failed ({error}): "
+                    f"its code uses that output otherwise than broadcast. {BROADCAST_FIX}"
+                    ) from error
+        name = _op_name(func)
+        if not name.startswith("new_"):  # (factories: not derived from the view)
+            for view in views:
+                module, dim, batch, status = view.expanded
+                if any(isinstance(t, Tensor) and (t.dim() <= dim or t.shape[dim] != batch)
+                       for t in tree_flatten(result)[0]):
+                    status.broadcast_misuse = status.broadcast_misuse or (module, name)
+        return result
+
+
+def _op_name(func: Callable) -> str:
+    """``reshape``; ``T`` for a property's getter."""
+    name = getattr(func, "__name__", None) or str(func)
+    return getattr(getattr(func, "__self__", None), "__name__", name) if name == "__get__" \
+        else name
+
+
+BROADCAST_FIX = (
+    "Make a module that holds the call and every use of its output (the attention layer or "
+    "block that computes and uses it) one unit of the torch.func fallback, add_hooks(model, "
+    "units=[...]), or add_hooks(..., broadcast=False) to leave such outputs as they are")
+
+
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
@@ -442,6 +500,9 @@ class StepStatus:
     shared_computation: str | None = None
     # a captured gradient that requires grad: a backward with create_graph=True ran through it
     create_graph: bool = False
+    # (module, op): the first op on an output expanded over the batch that did not keep the
+    # batch dim (:class:`BroadcastOutput`)
+    broadcast_misuse: tuple[str, str] | None = None
 
 
 @dataclass
@@ -567,7 +628,7 @@ class HookState:
         if rule.needs_parameter_values and not compiling:
             call.parameters = [(n, p, p._version)
                                for n, p in owner.named_parameters(recurse=owner in self.units)]
-        own_batch = None
+        own_batch, expanded = None, False
         if status.batch is None:
             own_batch = self._batch_or_none(owner, call)
             if own_batch is not None and own_batch > 1:
@@ -587,6 +648,7 @@ class HookState:
                 # ids [1, T] alone, BART's decoder `embed_positions(input_ids, position_ids=)`)
                 expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
                 output = expand(output)
+                expanded = not compiling
                 leaves = (output,)
                 call.args, call.kwargs = map_tensors(expand, (args, kwargs))
         if rule.keeps_outputs and not compiling:
@@ -613,6 +675,8 @@ class HookState:
         if self._graphs_freed[0]:
             self.drop_unreachable()
         self.calls[owner].append(call)
+        if expanded:  # the model's uses of it are watched from here on
+            output = BroadcastOutput.wrap(output, name, batch_dim, status.batch, status)
         return output
 
     def drop_unreachable(self) -> None:

@@ -9,7 +9,7 @@ from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, seeded, weighted_square
+from ground_truth import assert_matches_loop, loop_grads, loop_tolerance, seeded, weighted_square
 
 
 class BroadcastPositions(nn.Module):
@@ -181,3 +181,50 @@ def test_a_batch_one_call_on_an_input_with_a_gradient_is_left_and_refused(dtype)
         dict(rtol=1e-4, atol=1e-6)
     for n, value in truth.items():
         torch.testing.assert_close(got[n].double(), value, **tolerance)
+
+
+class BiasTable(nn.Module):
+    """Swinv2's continuous position bias: an MLP on a coordinates buffer ``[1, K, 2]`` whose
+    output is not broadcast over the batch but used as a table, reshaped to rows and indexed
+    (``reshape``), or one row picked (``select``), or written in place (``in-place``: Swinv2's
+    ``ReLU(inplace=True)``). Expanded over the batch, every sample's rows would be sample 0's
+    copy: refused."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use = use
+        self.register_buffer("coords", torch.randn(1, 5, 2))
+        self.register_buffer("index", torch.tensor([4, 0, 2, 2]))
+        self.inp, self.mlp = nn.Linear(3, 3), nn.Linear(2, 3)
+
+    def forward(self, x):  # x [B, 4, 3]
+        h = self.inp(x)
+        table = self.mlp(self.coords)
+        if self.use == "in-place":
+            table = table.relu_()
+        bias = table[0, :4] if self.use == "select" else table.reshape(-1, 3)[self.index]
+        return h + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("use", ["reshape", "select", "in-place"])
+def test_an_expanded_output_used_otherwise_than_broadcast_is_refused(use, dtype):
+    """Refused naming the module, the op and units= (at compute_* where the op ran on the view,
+    in the forward where it could not); the next step is refused the same way, not poisoned;
+    with the model one unit, exact against the float64 loop."""
+    torch.manual_seed(0)
+    model, x = BiasTable(use).to(dtype), torch.randn(6, 4, 3, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 6)
+    op = {"reshape": "reshape", "select": "__getitem__", "in-place": "relu_"}[use]
+    with psh.add_hooks(model, check_unseen="always"):
+        for _ in range(2):
+            with pytest.raises(psh.PerSampleHooksError, match=rf"'mlp' was called with batch "
+                               rf"size 1 .*model's {op} on it.*units="):
+                weighted_square(model(x)).mean().backward()
+                psh.compute_grad1(model)
+            model.zero_grad(set_to_none=True)
+    with psh.add_hooks(model, units=[""]):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))

@@ -440,6 +440,16 @@ def swin() -> nn.Module:
     return transformers.SwinForImageClassification(config)
 
 
+def swinv2() -> nn.Module:
+    """Its relative position bias is an MLP on a coordinates buffer [1, ...], whose output the
+    model writes in place (ReLU(inplace=True)) and reshapes to a table it indexes."""
+    config = transformers.Swinv2Config(image_size=8, patch_size=2, embed_dim=8, depths=[1, 1],
+                                       num_heads=[2, 2], window_size=2, num_labels=3,
+                                       hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                                       drop_path_rate=0)
+    return transformers.Swinv2ForImageClassification(config)
+
+
 def t5() -> nn.Module:
     config = transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
                                    vocab_size=VOCAB, dropout_rate=0,
@@ -454,6 +464,10 @@ RELATIVE_BIASES = {  # model, its batch, the size and module refused, the units 
     "swin": (swin, image_batch,
              "1 \\(at 'swin.encoder.layers.0.blocks.0.attention.relative_position_bias'\\)",
              lambda m: list(m.swin.encoder.layers)),
+    "swinv2": (swinv2, image_batch,
+               "'swinv2.encoder.layers.0.blocks.0.attention.self.continuous_position_bias_mlp"
+               ".0' was called with batch size 1 .*relu",
+               lambda m: list(m.swinv2.encoder.layers)),
     "t5": (t5, seq2seq_batch,
            "7 \\(at 'encoder.block.0.layer.0.SelfAttention.relative_attention_bias'\\)"
            ".*T5.*each stack",
@@ -466,7 +480,8 @@ RELATIVE_BIASES = {  # model, its batch, the size and module refused, the units 
 def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) -> None:
     """BEiT's, Swin's and T5's attention adds a bias looked up in a trainable table without
     the batch (Swin's windows are folded into the batch too; T5's first layer passes its bias
-    on to the others): compute_* refuses naming the module and ``units=``; the layers as units
+    on to the others); Swinv2 computes its table with an MLP on a buffer of batch 1 and uses
+    it otherwise than broadcast: refused naming the module and ``units=``; the layers as units
     (T5: its encoder and decoder, which hold every use of the bias) are exact."""
     make, batch_of, refused, units = RELATIVE_BIASES[name]
     torch.manual_seed(0)
@@ -475,8 +490,8 @@ def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) ->
              for k, v in batch_of(seeded(1)).items()}
     try:
         psh.add_hooks(model)
-        loss_of(model, batch).backward()
         with pytest.raises(psh.PerSampleHooksError, match=rf"{refused}.*units="):
+            loss_of(model, batch).backward()  # (Swinv2: refused here)
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         psh.add_hooks(model, units=units(model))
