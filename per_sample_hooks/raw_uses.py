@@ -243,6 +243,9 @@ class Uses:
     (None: every use was seen)."""
     sites: list[Site | LinearSite]
     problem: str | None = None
+    #: for a call with no tensor input (``latents.expand(batch_size, -1, -1)``, Perceiver's
+    #: embeddings): the size at batch_dim of its first expand of a derived value
+    batch_size: int | None = None
 
 
 def _describe(value: Derived) -> str:
@@ -340,6 +343,9 @@ class _Forward:
                 return out
         if (func in ELEMENTWISE and batched) or func in EXPANDS or func in REPEAT:
             shape = self.output_shape(func, args, kwargs, inputs)
+            if self.batch_size is None and not batched and shape is not None \
+                    and (func in EXPANDS or func in REPEAT):
+                self.adopt_batch_size(shape)
             dim = self.dim_in(shape)
             if dim is not None and all(self.padded_size(t, len(shape), dim) == 1
                                        for t in tracked):
@@ -370,6 +376,14 @@ class _Forward:
             return _broadcast_shape([t.shape for t in inputs])
         except (RuntimeError, TypeError, ValueError, IndexError):
             return None  # the op itself will say what is wrong
+
+    def adopt_batch_size(self, shape: tuple[int, ...]) -> None:
+        """A call with no tensor input expands a derived value: its size at batch_dim is the
+        batch (``compute_*`` refuses the step if the other modules saw another)."""
+        dim = self.uses.batch_dim
+        dim = dim if dim >= 0 else dim + len(shape)
+        if 0 <= dim < len(shape):
+            self.batch_size = self.record.batch_size = shape[dim]
 
     def dim_in(self, shape: tuple[int, ...] | None) -> int | None:
         """The batch dim of an output of ``shape``, if it has size B there."""

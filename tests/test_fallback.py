@@ -765,3 +765,43 @@ def test_batch_norm_with_batch_statistics_in_a_unit_is_refused(dtype, track_runn
         psh.remove_hooks(model)
     if track_running_stats:
         assert_matches_loop(model.eval(), [x], units=["0"])
+
+
+class FromCount(nn.Module):
+    """Called with an int only: no tensor to read the batch from."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, count: int):
+        return self.lin(torch.ones(count, 3, dtype=self.lin.weight.dtype))
+
+
+class CountsTheBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.source, self.out = FromCount(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(x + self.source(x.shape[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_called_with_no_tensor_is_refused_naming_it(dtype):
+    """A unit called with no tensor input cannot be split by sample: refused naming it and the
+    fix; its parent as the unit is exact."""
+    torch.manual_seed(0)
+    model, x = CountsTheBatch().to(dtype), torch.randn(4, 3, dtype=dtype)
+    with psh.add_hooks(model, units=["source"]):
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"FromCount, handled by the torch.func "
+                           r"fallback, was called with no tensor input .*units="):
+            psh.compute_grad1(model)
+    model.zero_grad(set_to_none=True)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 4)
+    with psh.add_hooks(model, units=[""]):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))

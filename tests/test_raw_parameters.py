@@ -283,8 +283,34 @@ def images(batch: int) -> list[Tensor]:
     return [torch.randn(batch, 3, 8, 8)]
 
 
+class Latents(nn.Module):
+    """Perceiver's latents: a module called with the batch size only, an int, which expands its
+    raw parameter to the batch (no tensor input to read the batch from)."""
+
+    def __init__(self, n=3, dim=4):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(n, dim))
+
+    def forward(self, batch_size: int):
+        return self.latents.expand(batch_size, -1, -1)
+
+
+class LatentsAttend(nn.Module):
+    """Latents attending over each sample's inputs."""
+
+    def __init__(self, dim=4):
+        super().__init__()
+        self.embeddings, self.key = Latents(dim=dim), nn.Linear(dim, dim)
+
+    def forward(self, x):  # [B, T, d]
+        latents = self.embeddings(batch_size=x.shape[0])
+        scores = (latents @ self.key(x).transpose(1, 2)).softmax(-1)
+        return latents + scores @ x
+
+
 CASES = {
     "vit": (ViTLike, images),
+    "latents": (LatentsAttend, lambda b: [torch.randn(b, 5, 4)]),
     "layer_scale": (LayerScaleBlock, lambda b: [torch.randn(b, 3, 5)]),
     "learned_bias": (LearnedBias, lambda b: [torch.randn(b, 2, 4)]),
     "sliced_positions": (SlicedPositions, lambda b: [torch.randn(b, 5, 3)]),

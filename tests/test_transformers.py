@@ -450,6 +450,18 @@ def swinv2() -> nn.Module:
     return transformers.Swinv2ForImageClassification(config)
 
 
+def perceiver() -> nn.Module:
+    """Its text preprocessor looks positions up as ``arange(T)``, without the batch; its latents
+    module is called with the batch size, an int, and expands its raw parameter."""
+    config = transformers.PerceiverConfig(num_latents=4, d_latents=16, d_model=16,
+                                          num_blocks=1, num_self_attends_per_block=1,
+                                          num_self_attention_heads=2,
+                                          num_cross_attention_heads=2, vocab_size=VOCAB,
+                                          max_position_embeddings=32, num_labels=3,
+                                          attention_probs_dropout_prob=0.0)
+    return transformers.PerceiverForSequenceClassification(config)
+
+
 def t5() -> nn.Module:
     config = transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
                                    vocab_size=VOCAB, dropout_rate=0,
@@ -468,6 +480,9 @@ RELATIVE_BIASES = {  # model, its batch, the size and module refused, the units 
                "'swinv2.encoder.layers.0.blocks.0.attention.self.continuous_position_bias_mlp"
                ".0' was called with batch size 1 .*relu",
                lambda m: list(m.swinv2.encoder.layers)),
+    "perceiver": (perceiver, classification_batch,
+                  "7 \\(at 'perceiver.input_preprocessor.position_embeddings'\\)",
+                  lambda m: [m.perceiver.input_preprocessor]),
     "t5": (t5, seq2seq_batch,
            "7 \\(at 'encoder.block.0.layer.0.SelfAttention.relative_attention_bias'\\)"
            ".*T5.*each stack",
@@ -481,8 +496,9 @@ def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) ->
     """BEiT's, Swin's and T5's attention adds a bias looked up in a trainable table without
     the batch (Swin's windows are folded into the batch too; T5's first layer passes its bias
     on to the others); Swinv2 computes its table with an MLP on a buffer of batch 1 and uses
-    it otherwise than broadcast: refused naming the module and ``units=``; the layers as units
-    (T5: its encoder and decoder, which hold every use of the bias) are exact."""
+    it otherwise than broadcast; Perceiver looks its positions up without the batch: refused
+    naming the module and ``units=``; the layers as units (T5: its encoder and decoder, which
+    hold every use of the bias; Perceiver: its text preprocessor) are exact."""
     make, batch_of, refused, units = RELATIVE_BIASES[name]
     torch.manual_seed(0)
     model = make().to(dtype).train()

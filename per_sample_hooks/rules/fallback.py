@@ -99,18 +99,23 @@ def _spec_for(t: object, dim: int, batch_size: int) -> Spec:
     return None
 
 
-def _first_batch_size(tensors: Sequence[object], dim: int) -> int:
+def _first_batch_size(module: nn.Module, tensors: Sequence[object], dim: int) -> int:
     for t in tensors:
         if isinstance(t, Tensor) and t.dim() > dim:
             return t.shape[dim]
-    raise PerSampleHooksError("cannot tell the batch size of a call with no batched tensor input")
+    raise PerSampleHooksError(
+        f"{type(module).__name__}, handled by the torch.func fallback, was called with no "
+        f"tensor input that has a dim {dim} to read the batch from, so its re-run cannot be "
+        "split by sample. Make the module that calls it with the batch a unit (units=), or "
+        "give it a batched tensor input")
 
 
 def default_layout(module: nn.Module, call: Call) -> Layout:
     """Every tensor whose size at the module's ``batch_dim`` is the batch size (read off the first
     positional tensor) is batched there; other tensors and non-tensors are shared."""
     dim = call.batch_dim
-    batch_size = _first_batch_size(tree_flatten([*call.args, *call.kwargs.values()])[0], dim)
+    inputs = tree_flatten([*call.args, *call.kwargs.values()])[0]
+    batch_size = _first_batch_size(module, inputs, dim)
     return Layout([_spec_for(a, dim, batch_size) for a in call.args],
                   {k: _spec_for(v, dim, batch_size) for k, v in call.kwargs.items()},
                   [dim] * len(call.grads), batch_size)

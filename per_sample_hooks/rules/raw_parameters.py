@@ -99,6 +99,10 @@ class RawParameterRule(Rule):
         """The use sites of the raw parameters, followed op by op."""
         return follow_raw_uses(module, batch_dim, capturing)
 
+    def batch_size(self, module: nn.Module, call: Call) -> int:
+        size = _uses(call).batch_size  # a call with no tensor input: its expand's
+        return call.batch_size if size is None else size
+
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         for call in calls:
             uses = _uses(call)
