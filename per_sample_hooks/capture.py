@@ -406,12 +406,8 @@ class BroadcastOutput(Tensor):
             except RuntimeError as error:
                 module, _, _, status = views[0].expanded
                 status.consumed = True  # the next forward starts a clean step
-                raise PerSampleHooksError(
-                    f"'{module}' was called with batch size 1 and its output, broadcast "
-                    f"over the batch, was expanded to the batch (a view) to tell the samples' "
-                    f"gradients apart; the model's {_op_name(func)} on it failed ({error}): "
-                    f"its code uses that output otherwise than broadcast. {BROADCAST_FIX}"
-                    ) from error
+                raise broadcast_misuse_error("", module, _op_name(func),
+                                             f"failed ({error})") from error
         name = _op_name(func)
         if not name.startswith("new_"):  # (factories: not derived from the view)
             for view in views:
@@ -429,10 +425,19 @@ def _op_name(func: Callable) -> str:
         else name
 
 
-BROADCAST_FIX = (
-    "Make a module that holds the call and every use of its output (the attention layer or "
-    "block that computes and uses it) one unit of the torch.func fallback, add_hooks(model, "
-    "units=[...]), or add_hooks(..., broadcast=False) to leave such outputs as they are")
+def broadcast_misuse_error(prefix: str, module: str, op: str, what: str
+                           ) -> PerSampleHooksError:
+    """The refusal of a model's ``op`` on the expanded output of ``module`` that ``what``
+    (failed on the view, or did not keep the batch dim)."""
+    return PerSampleHooksError(
+        f"{prefix}'{module}' was called with batch size 1 and its output, broadcast over the "
+        "batch, was expanded to the batch (a view) to tell the samples' gradients apart; but "
+        f"the model's {op} on it {what}: its code uses that output otherwise than broadcast "
+        "(a table reshaped then indexed, as Swinv2's relative position bias; a row picked; a "
+        "reduction), and the samples' gradients would reach the wrong copies. Make a module "
+        "that holds the call and every use of its output (the attention layer or block that "
+        "computes and uses it) one unit of the torch.func fallback, add_hooks(model, "
+        "units=[...]), or add_hooks(..., broadcast=False) to leave such outputs as they are")
 
 
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:

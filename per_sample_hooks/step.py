@@ -15,7 +15,14 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .capture import BROADCAST_FIX, STATE_ATTRIBUTE, Call, HookState, get_state, unwrap
+from .capture import (
+    STATE_ATTRIBUTE,
+    Call,
+    HookState,
+    broadcast_misuse_error,
+    get_state,
+    unwrap,
+)
 from .errors import PerSampleHooksError
 from .forms import Form, contract_samples, project_sum, projection_cost
 from .quantities import KeptGrads, weighted_sum
@@ -146,13 +153,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
     if status.broadcast_misuse is not None:
         module, op = status.broadcast_misuse
         state.end_step()  # this step is lost; the next forward starts a new one
-        raise PerSampleHooksError(
-            f"{caller}: '{module}' was called with batch size 1 and its output, broadcast "
-            "over the batch, was expanded to the batch to tell the samples' gradients apart; "
-            f"but the model's {op} on it did not keep the batch dim (it merges, moves, selects "
-            "or reduces it: a table reshaped then indexed, as Swinv2's relative position "
-            "bias), so the samples' gradients would reach the wrong copies. "
-            f"{BROADCAST_FIX}")
+        raise broadcast_misuse_error(f"{caller}: ", module, op, "did not keep the batch dim")
     if status.released_by is not None:
         raise PerSampleHooksError(
             f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "

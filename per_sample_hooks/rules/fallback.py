@@ -379,12 +379,12 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         leaves = tree_flatten(output)[0]
         return [leaves[j] for j in out_leaves]
 
-    def rerun(values: list, grads: list, vjp: Callable = torch.func.vjp
+    def rerun(values: list, grads: list, differentiate: Callable = torch.func.vjp
               ) -> tuple[list[Tensor], tuple[Tensor, ...]]:
         """One sample's outputs (its batch dim dropped) and per-sample gradients."""
         values = [_per_sample(v, s) if s is not None else v for v, s in zip(values, arg_specs)]
         args, kwargs = values[:n_args], dict(zip(keys, values[n_args:]))
-        out, vjp = vjp(lambda weights: outputs(args, kwargs, weights), trainable)
+        out, vjp = differentiate(lambda weights: outputs(args, kwargs, weights), trainable)
         (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
         return [o.squeeze(s) for o, s in zip(out, out_specs)], tuple(result[n] for n in names)
 
@@ -409,9 +409,10 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                 failure = error
             if failure is not None:
                 try:
-                    alone, grads = _one_sample_at_a_time(partial(rerun, vjp=_autograd_vjp),
-                                                         flat_args, in_dims, cotangents,
-                                                         out_specs, layout.batch_size)
+                    by_autograd = partial(rerun, differentiate=_autograd_vjp)
+                    alone, grads = _one_sample_at_a_time(by_autograd, flat_args, in_dims,
+                                                         cotangents, out_specs,
+                                                         layout.batch_size)
                 except (RuntimeError, ValueError, TypeError) as error:
                     if isinstance(error, PerSampleHooksError):
                         raise
@@ -467,7 +468,8 @@ def _one_sample_at_a_time(rerun: Callable, values: list, in_dims: list, grads: l
                           ) -> tuple[list[Tensor], tuple[Tensor, ...]]:
     """``vmap(rerun, in_dims=(in_dims, out_dims), out_dims=(out_dims, 0))(values, grads)`` by a
     loop over the samples, for forwards that ``vmap`` cannot batch (a branch on tensor values,
-    a shape that depends on them: a mixture of experts' routing): the samples' outputs, stacked
+    a shape that depends on them: a mixture of experts' routing) or ``torch.func`` cannot
+    transform (``rerun`` then differentiates by plain autograd): the samples' outputs, stacked
     along ``out_dims``, and their gradients."""
     outputs, sample_grads = [], []
     for b in range(batch_size):
@@ -505,7 +507,7 @@ def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor]
                 parts.shape[:dim] + parts.shape[dim + 1:]:
             whole = whole.expand_as(parts)  # shared by the samples, as the capture took it
         if whole.shape != parts.shape:
-            gap, b, off = None, 0, f"of shape {tuple(parts.shape)}, not {tuple(whole.shape)}"
+            b, off = 0, f"of shape {tuple(parts.shape)}, not {tuple(whole.shape)}"
         else:
             largest = whole.abs().max().clamp_min(1e-30)
             gap = (whole - parts).abs().amax(dim=[d for d in range(whole.dim()) if d != dim])
