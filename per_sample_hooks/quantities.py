@@ -75,13 +75,14 @@ def norms_squared(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: f
     batch = rule.batch_size(module, calls[0])
     own_grad1 = type(rule).grad1 is not Rule.grad1
     if not describes_forms(rule):  # grad1 only: materialize, into keep when granted
+        per_sample = {}
         for name in names:
             param = module.get_parameter(name)
             kept = keep.reserve(module, name, batch) if keep is not None else None
-            per_sample = param.new_empty((batch, *param.shape)) if kept is None else kept
-            written_grad1(rule, module, calls, 1.0, {name: per_sample})
-            result[name] = sum_of_squares(per_sample).mul_(scale * scale)
-        return result
+            per_sample[name] = param.new_empty((batch, *param.shape)) if kept is None else kept
+        # one run for all (a fallback unit's re-run), as its dense forms are built
+        written_grad1(rule, module, calls, 1.0, per_sample)
+        return {name: sum_of_squares(t).mul_(scale * scale) for name, t in per_sample.items()}
     for name, parts in rule.forms(module, calls, names).items():
         kept = keep.reserve(module, name, batch) if keep is not None and (
             rule.forms_rerun or forms.materializes(parts)) else None

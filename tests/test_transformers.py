@@ -432,22 +432,14 @@ def beit() -> nn.Module:
     return transformers.BeitForImageClassification(config)
 
 
-def swin() -> nn.Module:
-    config = transformers.SwinConfig(image_size=8, patch_size=2, embed_dim=8, depths=[1, 1],
-                                     num_heads=[2, 2], window_size=2, num_labels=3,
-                                     hidden_dropout_prob=0, attention_probs_dropout_prob=0,
-                                     drop_path_rate=0)
-    return transformers.SwinForImageClassification(config)
-
-
-def swinv2() -> nn.Module:
-    """Its relative position bias is an MLP on a coordinates buffer [1, ...], whose output the
-    model writes in place (ReLU(inplace=True)) and reshapes to a table it indexes."""
-    config = transformers.Swinv2Config(image_size=8, patch_size=2, embed_dim=8, depths=[1, 1],
-                                       num_heads=[2, 2], window_size=2, num_labels=3,
-                                       hidden_dropout_prob=0, attention_probs_dropout_prob=0,
-                                       drop_path_rate=0)
-    return transformers.Swinv2ForImageClassification(config)
+def swin(version: str = "") -> nn.Module:
+    """Swin, or Swinv2 (``version="v2"``), whose relative position bias is an MLP on a
+    coordinates buffer [1, ...], whose output the model writes in place (ReLU(inplace=True))
+    and reshapes to a table it indexes."""
+    config = getattr(transformers, f"Swin{version}Config")(
+        image_size=8, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2,
+        num_labels=3, hidden_dropout_prob=0, attention_probs_dropout_prob=0, drop_path_rate=0)
+    return getattr(transformers, f"Swin{version}ForImageClassification")(config)
 
 
 def perceiver() -> nn.Module:
@@ -476,7 +468,7 @@ RELATIVE_BIASES = {  # model, its batch, the size and module refused, the units 
     "swin": (swin, image_batch,
              "1 \\(at 'swin.encoder.layers.0.blocks.0.attention.relative_position_bias'\\)",
              lambda m: list(m.swin.encoder.layers)),
-    "swinv2": (swinv2, image_batch,
+    "swinv2": (lambda: swin("v2"), image_batch,
                "'swinv2.encoder.layers.0.blocks.0.attention.self.continuous_position_bias_mlp"
                ".0' was called with batch size 1 .*relu",
                lambda m: list(m.swinv2.encoder.layers)),
