@@ -70,7 +70,7 @@ def norms_squared(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: f
     From the forms (``forms.norms_squared``); where that materializes per-sample gradients
     anyway, or building the forms again would re-run the layer (``Rule.forms_rerun``), into
     ``keep``'s buffer when granted (for :func:`weighted_sum`), written by ``rule.grad1`` when
-    the rule has one of its own."""
+    the rule has one of its own and its forms do not re-run the layer."""
     result = {}
     batch = rule.batch_size(module, calls[0])
     own_grad1 = type(rule).grad1 is not Rule.grad1
@@ -87,9 +87,9 @@ def norms_squared(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: f
         kept = keep.reserve(module, name, batch) if keep is not None and (
             rule.forms_rerun or forms.materializes(parts)) else None
         if kept is not None:
-            if own_grad1:  # the rule writes them better than its forms do
+            if own_grad1 and not rule.forms_rerun:  # it writes them better than its forms
                 written_grad1(rule, module, calls, 1.0, {name: kept})
-            else:
+            else:  # (not a second re-run of the layer)
                 forms.write(kept, parts, 1.0)
             squared = sum_of_squares(kept)
         else:

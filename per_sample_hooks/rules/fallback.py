@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import Call, not_recorded, summed_passes
 from ..errors import PerSampleHooksError
+from ..forms import Dense, Form
 from ..reparametrized import power_iterations_off
 from .base import Rule
 from .normalization import batch_statistics_error, uses_batch_statistics
@@ -282,6 +283,17 @@ class FallbackRule(Rule):
     """Per-sample gradients of a whole unit by ``torch.func.vmap`` over ``torch.func.vjp``."""
 
     keeps_outputs = True  # compared with the re-run's (call_grad1)
+    forms_rerun = True
+
+    def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
+              ) -> dict[str, list[Form]]:
+        """Each call's per-sample gradients, dense, as the re-run gives them (not copied)."""
+        params = unit_parameters(module)
+        result: dict[str, list[Form]] = {name: [] for name in names}
+        for call in calls:
+            for name, grad in zip(names, call_grad1(module, call, params, names, 1.0)):
+                result[name].append(Dense(grad))
+        return result
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         return _lookup_layout(module)(module, call).batch_size
