@@ -80,7 +80,7 @@ def norms_squared(rule: Rule, module: nn.Module, calls: Sequence[Call], scale: f
             param = module.get_parameter(name)
             kept = keep.reserve(module, name, batch) if keep is not None else None
             per_sample[name] = param.new_empty((batch, *param.shape)) if kept is None else kept
-        # one run for all (a fallback unit's re-run), as its dense forms are built
+        # one run of the rule for all of them, as Rule.forms builds its dense forms
         written_grad1(rule, module, calls, 1.0, per_sample)
         return {name: sum_of_squares(t).mul_(scale * scale) for name, t in per_sample.items()}
     for name, parts in rule.forms(module, calls, names).items():

@@ -803,15 +803,15 @@ def test_leaf_modules_are_followed_or_rerun_exactly(leaf, dtype):
 
 def test_which_calls_are_rerun(monkeypatch):
     """A followed call never reaches the torch.func fallback; an unfollowed one does, once."""
-    from per_sample_hooks.rules import raw_parameters
+    from per_sample_hooks.rules import fallback
     reran = []
-    call_grad1 = raw_parameters.call_grad1
+    call_grad1 = fallback.call_grad1
 
     def counted(module, *args):
         reran.append(type(module).__name__)
         return call_grad1(module, *args)
 
-    monkeypatch.setattr(raw_parameters, "call_grad1", counted)
+    monkeypatch.setattr(fallback, "call_grad1", counted)
     for leaf, expected in [("scale", []), ("hand_norm", []), ("custom_linear", []),
                            ("two_ways", ["HandNorm"]), ("layer_norm_call", ["LayerNormCall"])]:
         reran.clear()  # (a checked step's hooked sums would re-run them once more)

@@ -33,7 +33,7 @@ from ..errors import PerSampleHooksError
 from ..forms import Dense, Form, one_group
 from ..raw_uses import Derived, LinearSite, Site, Uses, follow_raw_uses
 from .base import Rule
-from .fallback import FallbackRule, call_grad1
+from .fallback import FallbackRule
 from .linear import flatten_positions
 
 
@@ -164,10 +164,9 @@ class RawUsesOrFallbackRule(RawParameterRule):
         followed, rerun = _split_calls(calls)
         result = super().forms(module, followed, names) if followed else \
             {name: [] for name in names}
-        params = {name: module.get_parameter(name) for name in names}
-        for call in rerun:
-            for name, grad in zip(names, call_grad1(module, call, params, names, 1.0)):
-                result[name].append(Dense(grad))
+        if rerun:
+            for name, parts in self.fallback.forms(module, rerun, names).items():
+                result[name] += parts
         return result
 
 
