@@ -206,6 +206,11 @@ def refused_by_reentrant_checkpointing(error: RuntimeError) -> bool:
     return "use_reentrant=True" in str(error)
 
 
+NON_REENTRANT = ("use_reentrant=False (transformers: model.gradient_checkpointing_enable("
+                 "gradient_checkpointing_kwargs={'use_reentrant': False}))")
+"""The fix for a backward that reentrant checkpointing refuses, as the refusals spell it."""
+
+
 _RE_RUNNING: ContextVar[bool] = ContextVar("per_sample_hooks_re_running", default=False)
 """Inside :func:`not_recorded` (context-local, as grad mode is)."""
 
@@ -221,7 +226,7 @@ def not_recorded() -> Iterator[None]:
         _RE_RUNNING.reset(token)
 
 
-def _inside_torch_func(compiling: bool) -> bool:
+def _not_recorded_here(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform (or :func:`not_recorded`) is running: calls there (the
     fallback's re-runs of a module's forward, or the user's own transforms) are not steps and
     are not recorded. Under ``torch.compile`` (``compiling``) dynamo traces the hook; the stack
@@ -529,8 +534,9 @@ class HookState:
     """All capture state of one hooked model. Returned by ``add_hooks``; a context manager.
 
     Set once by ``add_hooks``: ``modules``: module -> (qualified name, batch dim); ``rules``:
-    module -> its rule (opaque here but for two flags, ``needs_parameter_values`` and
-    ``copy_outputs``: its outputs are returned as copies, as a unit's); ``units``: modules whose
+    module -> its rule (opaque here but for three flags: ``needs_parameter_values``,
+    ``copy_outputs``, its outputs returned as copies, as a unit's, and ``keeps_outputs``,
+    :attr:`Call.outputs` kept); ``units``: modules whose
     parameters include their children's and whose outputs are returned as copies, so that a
     unit's captured gradient is the one from outside it only; ``observed``: modules captured even
     when none of their parameters is trainable (the others capture nothing then: a frozen layer
@@ -604,7 +610,7 @@ class HookState:
         if module is not owner or not self.enabled or not torch.is_grad_enabled():
             return  # the cheap tests first: this runs on every call of every hooked module
         compiling = torch.compiler.is_compiling()
-        if _inside_torch_func(compiling) or not self.captures(owner):
+        if _not_recorded_here(compiling) or not self.captures(owner):
             return
         rule = self.rules[owner]
         if isinstance(output, Tensor):
@@ -714,7 +720,7 @@ class HookState:
             return False
         if compiling is None:
             compiling = torch.compiler.is_compiling()
-        return not _inside_torch_func(compiling)
+        return not _not_recorded_here(compiling)
 
     def clear(self) -> None:
         """Forget every captured call (buffers stay for reuse). The next forward still starts

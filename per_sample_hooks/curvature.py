@@ -107,7 +107,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .capture import Call, refused_by_reentrant_checkpointing
+from .capture import NON_REENTRANT, Call, refused_by_reentrant_checkpointing
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
@@ -266,9 +266,8 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
             "backprop_hess: the model uses reentrant activation checkpointing "
             "(torch.utils.checkpoint with use_reentrant=True), through which no backward that "
             "leaves .grad alone can run (torch.autograd.grad, or a backward to given tensors). "
-            "Use use_reentrant=False (transformers: model.gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False})); clear_backprops(model) "
-            "before the next forward") from error
+            f"Use {NON_REENTRANT}; clear_backprops(model) before the next forward"
+            ) from error
     if recorded and edges.captured_passes() == before:  # autograd skips unreachable inputs
         raise PerSampleHooksError(
             "backprop_hess: no output that edges recorded is reached from output (edges of "

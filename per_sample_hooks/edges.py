@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from .api import add_hooks
-from .capture import gradient_tensor, refused_by_reentrant_checkpointing
+from .capture import NON_REENTRANT, gradient_tensor, refused_by_reentrant_checkpointing
 from .errors import PerSampleHooksError
 from .step import form_on_arrival
 
@@ -118,9 +118,8 @@ class OutputEdges:
                 "backward: the model uses reentrant activation checkpointing "
                 "(torch.utils.checkpoint with use_reentrant=True), which cannot backpropagate "
                 "to given tensors, as this output-edge backward does: this step is lost. The "
-                "next ones take an ordinary backward; use_reentrant=False keeps the faster one "
-                "(transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs"
-                "={'use_reentrant': False}))") from error
+                f"next ones take an ordinary backward; {NON_REENTRANT} keeps the faster one"
+                ) from error
         finally:
             self._state.listeners.on_gradient = None
 

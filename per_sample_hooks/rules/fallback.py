@@ -400,6 +400,25 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         (result,) = vjp([g.unsqueeze(s) for g, s in zip(grads, out_specs)])
         return [o.squeeze(s) for o, s in zip(out, out_specs)], tuple(result[n] for n in names)
 
+    def vmapped_or_looped() -> tuple[list[Tensor], tuple[Tensor, ...], Exception | None]:
+        """The samples' outputs and gradients under ``vmap``, else one sample at a time (with
+        the error that sent them there)."""
+        try:
+            return (*torch.func.vmap(rerun, in_dims=(in_dims, out_specs),
+                                     out_dims=(out_specs, 0))(flat_args, cotangents), None)
+        except PerSampleHooksError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as error:
+            failure = error
+        try:
+            return (*_one_sample_at_a_time(partial(rerun, differentiate=_autograd_vjp),
+                                           flat_args, in_dims, cotangents, out_specs,
+                                           layout.batch_size), failure)
+        except PerSampleHooksError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise _unbatchable(module, recurrent, error) from error
+
     # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
     # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
     # backward: "Expected a proper Tensor but got None ... for argument #22 'workspace'")
@@ -409,44 +428,24 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                                         nn.LSTMCell.forward)}
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
-    failure = None
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), power_iterations_off(module):
-            try:
-                alone, grads = torch.func.vmap(rerun, in_dims=(in_dims, out_specs),
-                                               out_dims=(out_specs, 0))(flat_args, cotangents)
-            except (RuntimeError, ValueError, TypeError) as error:
-                if isinstance(error, PerSampleHooksError):
-                    raise
-                failure = error
-            if failure is not None:
-                try:
-                    by_autograd = partial(rerun, differentiate=_autograd_vjp)
-                    alone, grads = _one_sample_at_a_time(by_autograd, flat_args, in_dims,
-                                                         cotangents, out_specs,
-                                                         layout.batch_size)
-                except (RuntimeError, ValueError, TypeError) as error:
-                    if isinstance(error, PerSampleHooksError):
-                        raise
-                    raise _unbatchable(module, recurrent, error) from error
+            alone, grads, failure = vmapped_or_looped()
             with torch.no_grad():
-                batched = _kept_outputs(call, out_leaves, alone)
-                if batched is None:
-                    batched = outputs(call.args, call.kwargs, trainable)
+                batched = _kept_outputs(call, out_leaves, alone) or \
+                    outputs(call.args, call.kwargs, trainable)
                 _outputs_agree(module, batched, alone, out_specs, failure is not None)
-        if failure is None:
-            return grads
+    finally:
+        for handle in handles:
+            handle.remove()
+    if failure is not None:
         warnings.warn(
             f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one sample "
             "at a time, since torch.func cannot batch its forward "
             f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample gradients are "
             "exact, at the cost of a forward and backward of the unit per sample; smaller units "
             "whose forward vmap can batch (no branch on tensor values) are faster", stacklevel=2)
-        return grads
-    finally:
-        for handle in handles:
-            handle.remove()
-
+    return grads
 
 def _sample(value: object, dim: object, b: int) -> object:
     """Sample ``b`` of one argument as ``vmap`` hands it over with ``in_dims`` ``dim``."""
