@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
@@ -15,7 +15,9 @@ from torch.overrides import TorchFunctionMode
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
 from per_sample_hooks.quantities import weighted_sum
+from per_sample_hooks.rules import attention as attention_rule
 from per_sample_hooks.rules.attention import MultiheadAttentionRule, captured
+from per_sample_hooks.rules.fallback import call_grad1
 
 HEADS = "heads"  # a [B * heads, L, S] mask: sample i owns rows heads*i ... heads*i + heads - 1
 
@@ -123,6 +125,11 @@ def assert_native(model):
        padding=st.sampled_from([None, "bool", "float"]), need_weights=st.booleans(),
        use_weights=st.booleans(), average=st.booleans(),
        loss_type=st.sampled_from(["mean", "sum"]), recompute=st.booleans())
+# is_causal without need_weights: the fused path's own top-left mask also hides the appended
+# bias_k from the first queries (attn_mask would not)
+@example(batch_first=False, batch=2, length=1, source=1, kind="self", bias=False,
+         add_bias_kv=True, add_zero_attn=False, mask="causal", padding=None, need_weights=False,
+         use_weights=False, average=False, loss_type="mean", recompute=False)
 def test_every_option(batch_first, batch, length, source, kind, bias, add_bias_kv,
                       add_zero_attn, mask, padding, need_weights, use_weights, average,
                       loss_type, recompute):
@@ -502,18 +509,29 @@ def encoder_inputs(batch_first, decoder, dtype=torch.float32):
     return [x, padding] + ([torch.randn(shape(6), dtype=dtype)] if decoder else [])
 
 
+@pytest.mark.parametrize("path", ["captured", "re-run", "fallback"])
 @pytest.mark.parametrize("decoder", [False, True])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_captured_float32_against_float64_loop(batch_first, decoder):
-    """float32 grad1 of captured encoder and decoder layers (masks, padding, causal) against
-    the float64 per-sample loop."""
+def test_float32_against_float64_loop(batch_first, decoder, path, monkeypatch):
+    """float32 grad1 of encoder and decoder layers (masks, padding, causal) against the float64
+    per-sample loop, their attention captured in the forward, captured in a re-run of it (the
+    forward's capture off, as under torch.compile), or re-run by the fallback (as with
+    bias_k / bias_v)."""
     torch.manual_seed(0)
     model = Encoder(batch_first, decoder)
     inputs = encoder_inputs(batch_first, decoder)
     dim = 0 if batch_first else 1
     specs = [dim, 0, dim][:len(inputs)]
     batch_dim = {"body": dim}
-    assert all(capture_paths(model, inputs, weighted_square, batch_dim=batch_dim))
+    fallback_calls = []
+    if path != "captured":
+        monkeypatch.setattr(MultiheadAttentionRule, "watch", lambda *args: None)
+        rerun = attention_rule.rerun_captured if path == "re-run" else lambda *args: (None, [])
+        monkeypatch.setattr(attention_rule, "rerun_captured", rerun)
+        monkeypatch.setattr(attention_rule, "call_grad1", lambda *args: fallback_calls.append(
+            args[0]) or call_grad1(*args))
+    assert set(capture_paths(model, inputs, weighted_square, batch_dim=batch_dim)) == \
+        {path == "captured"}
     psh.add_hooks(model, batch_dim=batch_dim)
     try:
         weighted_square(model(*inputs)).mean().backward()
@@ -529,6 +547,7 @@ def test_captured_float32_against_float64_loop(batch_first, decoder):
         scale = g.abs().max().item()
         torch.testing.assert_close(got[n].double(), g, rtol=1e-4, atol=1e-5 * scale,
                                    msg=lambda m, n=n: f"{n}: {m}")
+    assert len(fallback_calls) == (2 if path == "fallback" else 0)  # two attention calls
 
 
 @pytest.mark.parametrize("decoder", [False, True])

@@ -20,8 +20,8 @@ expected (plain tensors, batched 3-D inputs, no ``bias_k`` / ``bias_v`` or stati
 out-projection, in-projections covering each in-projection weight's rows once, no other
 torch-function mode active but ``torch.set_default_device``'s: another would see the ops
 instead of the functional forward whole);
-otherwise, and under ``torch.compile``, its note is None and the rule recomputes the
-attention (:mod:`.attention`).
+otherwise, and under ``torch.compile``, its note is None and the rule captures the call in
+a re-run of its forward, or hands it to the fallback (:mod:`.attention`).
 """
 from __future__ import annotations
 

@@ -158,8 +158,11 @@ def attention_layout(module: nn.MultiheadAttention, call: Call) -> Layout:
     layout = _named_layout(module, call, table, [dim, 0], batch_size)
     # need_weights=True takes the explicit softmax(QK^T)V path, which vmap batches; the fused
     # scaled_dot_product_attention has no batching rule on CPU (a slow per-sample fallback).
-    # The output leaves keep their positions: (out, None) becomes (out, weights).
-    layout.rerun_kwargs["need_weights"] = True
+    # The output leaves keep their positions: (out, None) becomes (out, weights). Not with
+    # is_causal, which the fused path applies as its own top-left mask over the keys and
+    # any bias_k / zero attention appended, instead of attn_mask.
+    if not arguments.get("is_causal", False):
+        layout.rerun_kwargs["need_weights"] = True
     return layout
 
 
