@@ -148,7 +148,6 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
 class MultiheadAttentionRule(Rule):
     covers_children = True
     forms_rerun = True
-    keeps_outputs = True  # for a re-run's comparison (call_grad1), without a batched forward
 
     def batch_size(self, module: nn.MultiheadAttention, call: Call) -> int:
         return bind(module, call)[0].shape[0]
