@@ -1,10 +1,12 @@
-"""nn.MultiheadAttention's three paths, each against a plain step:
+"""nn.MultiheadAttention's paths, each against a plain step:
 
 - ``captured``: the projections captured in the module's own forward (the default);
+- ``bias_kv``: the same with ``add_bias_kv=True`` (their per-sample copies captured too);
 - ``re-run``: the forward's capture off, as under ``torch.compile``: the call is captured in a
   re-run of torch's forward, the projections' gradients by autograd;
-- ``fallback``: ``add_bias_kv=True``, which the capture does not cover: the ``torch.func``
-  fallback re-runs the call under ``vmap`` (dense per-sample gradients).
+- ``fallback``: every step under a torch-function mode of the user's (one that passes every
+  call on, the plain step's too), which the capture leaves alone, in the forward and in a
+  re-run: the ``torch.func`` fallback re-runs the call under ``vmap``.
 
 The model: token embeddings (vocab 100, d=128), one self-attention (4 heads, ``batch_first``,
 ``need_weights=False``), mean over T=64 positions, a Linear head to 10 classes; B=32.
@@ -25,6 +27,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,15 +68,26 @@ class Uncaptured(RuleRegistry):
         return default_registry.lookup(module)
 
 
+class PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*args, **(kwargs or {}))
+
+
 def make_methods(path: str, batch: int) -> dict:
     torch.manual_seed(0)
-    net = AttentionModel(bias_kv=path == "fallback")
+    net = AttentionModel(bias_kv=path == "bias_kv")
     tokens, y = torch.randint(0, VOCAB, (batch, T)), torch.randint(0, CLASSES, (batch,))
     registry = Uncaptured() if path == "re-run" else default_registry
 
     def step(m: nn.Module) -> None:
         m.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(m(tokens), y).backward()
+
+    def run_in_mode(method):
+        def run() -> None:
+            with PassThrough():
+                method()
+        return run if path == "fallback" else method
 
     def hooked(compute) -> object:
         m = copy.deepcopy(net)
@@ -82,10 +96,10 @@ def make_methods(path: str, batch: int) -> dict:
         def run() -> None:
             step(m)
             compute(m)
-        return run
+        return run_in_mode(run)
 
     plain = copy.deepcopy(net)
-    return {"plain": lambda: step(plain), "grad1": hooked(psh.compute_grad1),
+    return {"plain": run_in_mode(lambda: step(plain)), "grad1": hooked(psh.compute_grad1),
             "clip": hooked(lambda m: psh.clip_grads(m, 1.0))}
 
 
@@ -94,7 +108,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
-    paths = ["captured", "re-run", "fallback"]
+    paths = ["captured", "bias_kv", "re-run", "fallback"]
     parser.add_argument("--paths", nargs="+", default=paths, choices=paths)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

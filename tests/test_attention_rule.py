@@ -85,13 +85,13 @@ def assert_matches(model, inputs, specs, loss_fn, loss_type="mean", heads=2, rec
                    **hook_options):
     """``compute_grad1`` against the float64 loop; input ``j``'s samples are at ``specs[j]``
     (None: shared, HEADS: a per-sample block of rows). Also: attention handled by its rule,
-    its projections captured unless ``recompute`` (or the module has ``bias_k``)."""
+    its projections captured unless ``recompute``."""
     model = model.double()
     inputs = [to_double(x) for x in inputs]
     with recomputing(recompute):
         got = hooked_grads(model, inputs, loss_fn, loss_type, **hook_options)
         paths = capture_paths(model, inputs, loss_fn, **hook_options)
-    expect_captured = [not recompute and m.bias_k is None for m in model.modules()
+    expect_captured = [not recompute for m in model.modules()
                        if isinstance(m, nn.MultiheadAttention)]
     assert paths and set(paths) == set(expect_captured)
     batch = inputs[0].shape[specs[0]]
@@ -366,7 +366,7 @@ def test_norms_and_clipping(frozen, options, loss_type):
 def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype, bias_kv):
     """The rule's weighted sum with unit weights (the unseen-use check's hooked sum) equals
     autograd's batch-summed gradient; grad1, norms and clipping, each checked, raise no
-    unseen-use alarm (recomputed with bias_k / bias_v, else captured)."""
+    unseen-use alarm (captured, bias_k / bias_v included)."""
     torch.manual_seed(0)
     model = AttentionThenHead(None, add_bias_kv=bias_kv, add_zero_attn=True).to(dtype)
     x = torch.randn(6, 5, 4, dtype=dtype)
@@ -374,7 +374,7 @@ def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype, bias_kv):
     try:
         weighted_square(model(x)).mean().backward()
         calls = [c for c in state.calls[model.att] if c.has_grads]
-        assert [captured(c) is not None for c in calls] == [not bias_kv]
+        assert [captured(c) is not None for c in calls] == [True]
         params = dict(model.att.named_parameters())
         out = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
         weighted_sum(MultiheadAttentionRule(), model.att, calls, torch.ones(6, dtype=dtype),
@@ -395,19 +395,27 @@ def test_hooked_sum_equals_autograd_and_no_false_alarm(dtype, bias_kv):
         psh.remove_hooks(model)
 
 
-def test_dropout_refused_in_training_when_recomputed():
-    """Dropout in training: a call whose projections were not captured (bias_k / bias_v)
-    would be recomputed with other random masks: refused; in eval mode it is exact."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_in_training_refused_when_not_captured(dtype):
+    """Dropout in training: a call whose projections were not captured in its forward (as
+    under torch.compile) would be re-run with other random masks: refused; in eval mode it is
+    exact. Captured (bias_k / bias_v included), it is exact in training too."""
     torch.manual_seed(0)
-    model = Attention(4, 2, batch_first=True, dropout=0.5, add_bias_kv=True)
-    x = torch.randn(3, 2, 4)
-    psh.add_hooks(model)
-    try:
+    model = Attention(4, 2, batch_first=True, dropout=0.5, add_bias_kv=True).to(dtype)
+    x = torch.randn(3, 2, 4, dtype=dtype)
+    with recomputing(), psh.add_hooks(model):
         weighted_square(model(x, x, x)[0]).sum().backward()
         with pytest.raises(psh.PerSampleHooksError, match="'attention'.*dropout=0.5"):
             psh.compute_grad1(model)
-    finally:
-        psh.remove_hooks(model)
+    with psh.add_hooks(model):
+        losses = weighted_square(model(x, x, x)[0])
+        losses.mean().backward(retain_graph=True)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4,
+                                                                                 atol=1e-5)
+    for n, g in same_forward_grads(model, losses).items():
+        torch.testing.assert_close(got[n], g, msg=lambda m, n=n: f"{n}: {m}", **tolerance)
     model.eval()
     assert_matches(model, [x, x, x], [0, 0, 0], attention_loss(0))
 

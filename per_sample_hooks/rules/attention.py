@@ -4,11 +4,12 @@ A call whose projections were captured during its forward (:mod:`.attention_capt
 gradient of each in-projection's output and the input of the out-projection, watched) gets its
 forms from those directly, nothing recomputed (:func:`captured_forms`): every parameter's
 per-sample gradient is a sum of ``forms.Outer`` forms, ``G_b^T A_b`` over positions, some of
-them a block of rows, from which every quantity follows. A call not captured in its forward
-(under ``torch.compile``, a parameter unfrozen after the forward) is captured the same way in
-a re-run of torch's own forward, the gradients of its products by autograd
-(:func:`rerun_captured`); one the capture does not cover (``bias_k`` / ``bias_v``, another
-torch-function mode) is re-run by the ``torch.func`` fallback (:func:`.fallback.call_grad1`,
+them a block of rows (``bias_k`` / ``bias_v``: dense, from their per-sample copies), from
+which every quantity follows. A call not captured in its forward (under ``torch.compile``, a
+parameter unfrozen after the forward) is captured the same way in a re-run of torch's own
+forward, the gradients of its products by autograd (:func:`rerun_captured`); one the capture
+does not cover (another torch-function mode, a tensor subclass) is re-run by the
+``torch.func`` fallback (:func:`.fallback.call_grad1`,
 its outputs compared with the call's), whose per-sample gradients are dense forms. No
 attention math is written here. The forward uses ``out_proj.weight`` without calling
 ``out_proj``, so the rule covers the children's parameters (``covers_children``).
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
-from ..forms import Dense, Form, Outer, by_parameter, one_group
+from ..forms import Dense, Form, by_parameter, one_group
 from .attention_capture import Captured, ProjectionCapture, capture_projections
 from .base import Rule, register_rule
 from .fallback import call_grad1, unit_parameters
@@ -63,14 +64,16 @@ def captured(call: Call) -> Captured | None:
 
 def captured_forms(module: nn.MultiheadAttention, call: Call, note: Captured,
                    watched: Sequence[Tensor], names: Sequence[str]
-                   ) -> list[tuple[str, Outer]] | None:
+                   ) -> list[tuple[str, Form]] | None:
     """``(parameter name, form)`` of one captured call for the parameters in ``names``:
     ``out_proj`` from the output gradient ``G`` and the out-projection's input,
     ``Outer(G, o)``; each in-projection's block of rows ``Outer(dP, x)`` from the gradient
     ``dP`` of its output (``watched``, ``[L, B, rows]`` each) and its input ``x`` (query, key
-    or value). None when a parameter in ``names`` is in no captured product."""
+    or value); ``bias_k`` / ``bias_v`` dense, the gradients of their copies (``watched``
+    after the projections, ``[1, B, E]``). None when a parameter in ``names`` is in no
+    captured product."""
     grad_out = output_gradient(module, call)
-    terms: list[tuple[str, Outer]] = []
+    terms: list[tuple[str, Form]] = []
     if "out_proj.bias" in names:
         terms.append(("out_proj.bias", one_group(grad_out, None)))
     if "out_proj.weight" in names:
@@ -86,6 +89,9 @@ def captured_forms(module: nn.MultiheadAttention, call: Call, note: Captured,
                                                        projection.weight_rows)))
         if projection.has_bias and "in_proj_bias" in names:
             terms.append(("in_proj_bias", one_group(grad, None, projection.bias_rows)))
+    for name, grad in zip(note.appended, watched[len(note.projections):]):
+        if name in names:  # [1, B, E] -> [B, 1, 1, E]
+            terms.append((name, Dense(grad.transpose(0, 1).unsqueeze(1))))
     if {n for n, _ in terms} != set(names):
         return None
     return terms
@@ -99,8 +105,7 @@ def rerun_captured(module: nn.MultiheadAttention, call: Call
     not captured either (another torch-function mode, a tensor subclass). The re-run takes
     the explicit ``softmax(QK^T)V`` (``need_weights``, unless ``is_causal``, which the fused
     path applies its own way) and three in-projections rather than one packed: measured
-    about 1.3x faster than the fused attention's and the packed projection's backward on CPU.
-    A ``bias_k`` / ``bias_v`` call, never captured, is not re-run here (:func:`call_forms`)."""
+    about 1.3x faster than the fused attention's and the packed projection's backward on CPU."""
     capture = ProjectionCapture(module, lambda: True)
     arguments = _SIGNATURE.bind(module, *call.args, **call.kwargs).arguments
     del arguments["self"]
@@ -136,7 +141,7 @@ def call_forms(module: nn.MultiheadAttention, call: Call, names: Sequence[str]
                 "parameter frozen during the forward was unfrozen before this call, so its "
                 "per-sample gradient was not captured, and re-running it would draw a new "
                 "dropout mask. Unfreeze parameters before the forward")
-    note, watched = rerun_captured(module, call) if module.bias_k is None else (None, [])
+    note, watched = rerun_captured(module, call)
     terms = None if note is None else captured_forms(module, call, note, watched, names)
     if terms is not None:
         return terms
@@ -163,8 +168,8 @@ class MultiheadAttentionRule(Rule):
                                       for call in calls):
             raise PerSampleHooksError(
                 f"'{name}' ({type(module).__name__}) has dropout={module.dropout} in training "
-                "mode, and a call whose projections were not captured in its forward (with "
-                "bias_k / bias_v, under torch.compile, ...): the rule re-runs that call's "
+                "mode, and a call whose projections were not captured in its forward (under "
+                "torch.compile, another torch-function mode, ...): the rule re-runs that call's "
                 "attention, and dropout would draw a new random mask, so per-sample gradients "
                 "would not be those of the step. Use dropout=0, or model.eval() for the step")
         for call in calls:

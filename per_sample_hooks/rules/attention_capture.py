@@ -9,6 +9,8 @@ each in-projection's output ``P`` watched (:attr:`Call.watched
 <per_sample_hooks.capture.Call>`) and the value of ``o`` kept, the per-sample gradients are
 Linear forms, exact, whatever lies between (masks, dropout, returned weights that the loss
 uses): ``W_rows`` is ``Outer(dP, x)``, ``b_rows`` ``Outer(dP)``, ``out_proj`` ``Outer(G, o)``.
+``bias_k`` / ``bias_v`` are appended to the keys and values as ``bias.repeat(1, B, 1)``, one
+copy per sample: the gradient of that copy, watched too, is their per-sample gradient.
 
 How the products are seen: a ``torch.overrides.TorchFunctionMode`` is entered by a forward
 pre-hook for the length of the module's forward (as :mod:`per_sample_hooks.raw_uses` does).
@@ -16,12 +18,12 @@ pre-hook for the length of the module's forward (as :mod:`per_sample_hooks.raw_u
 ``has_torch_function`` first); the mode runs that same function's code with the check answered
 False, so that its ops, ``linear`` among them, reach the mode one by one: torch's own forward,
 op for op, nothing recomputed or replaced. A call is captured only when everything is as
-expected (plain tensors, batched 3-D inputs, no ``bias_k`` / ``bias_v`` or static keys, one
-out-projection, in-projections covering each in-projection weight's rows once, no other
-torch-function mode active but ``torch.set_default_device``'s: another would see the ops
-instead of the functional forward whole);
-otherwise, and under ``torch.compile``, its note is None and the rule captures the call in
-a re-run of its forward, or hands it to the fallback (:mod:`.attention`).
+expected (plain tensors, batched 3-D inputs, no static keys, one out-projection,
+in-projections covering each in-projection weight's rows once, each trainable ``bias_k`` /
+``bias_v`` repeated once, no other torch-function mode active but
+``torch.set_default_device``'s: another would see the ops instead of the functional forward
+whole); otherwise, and under ``torch.compile``, its note is None and the rule captures the
+call in a re-run of its forward, or hands it to the fallback (:mod:`.attention`).
 """
 from __future__ import annotations
 
@@ -54,10 +56,12 @@ class Projection:
 @dataclass
 class Captured:
     """What one call's forward left for its per-sample gradients: the in-projections, in the
-    order of the call's watched tensors (their outputs, ``[L, B, rows]``), and the input of
-    the out-projection, ``[L, B, E]`` (sequence first, as inside the functional forward; None
-    when ``out_proj.weight`` is frozen)."""
+    order of the call's watched tensors (their outputs, ``[L, B, rows]``), then the names of
+    the appended biases (``bias_k``, ``bias_v``) whose repeated copies (``[1, B, E]``) are
+    watched after them, and the input of the out-projection, ``[L, B, E]`` (sequence first, as
+    inside the functional forward; None when ``out_proj.weight`` is frozen)."""
     projections: list[Projection] = field(default_factory=list)
+    appended: list[str] = field(default_factory=list)
     attended: Tensor | None = None
 
 
@@ -152,6 +156,8 @@ class ProjectionCapture(TorchFunctionMode):
             out = func(*args, **kwargs)
             if func is F.linear:
                 call.linear(args, kwargs, out)
+            elif func is Tensor.repeat:
+                call.repeat(args[0], out)
             return out
         if func is F.multi_head_attention_forward:
             return self.forward(func, args, kwargs)
@@ -193,7 +199,9 @@ class _Forward:
         self.out_weight = arguments["out_proj_weight"]
         self.weights = {name: arguments.get(name) for name in IN_PROJECTION_WEIGHTS}
         self.bias = arguments.get("in_proj_bias")
+        self.appended = {name: arguments.get(name) for name in ("bias_k", "bias_v")}
         self.watched: list[Tensor] = []
+        self.appended_copies: list[Tensor] = []
         self.captured = Captured()
         self.out_calls = 0
         self.problem = False
@@ -220,6 +228,13 @@ class _Forward:
         self.captured.projections.append(Projection(name, rows, source, has_bias, bias_rows))
         self.watched.append(out)
 
+    def repeat(self, source: Tensor, out: Tensor) -> None:
+        """``bias_k`` / ``bias_v`` repeated over the batch: watched if trainable."""
+        name = next((n for n, bias in self.appended.items() if source is bias), None)
+        if name is not None and out.requires_grad:
+            self.captured.appended.append(name)
+            self.appended_copies.append(out)
+
     def projection_weight(self, weight: Tensor) -> tuple[str, slice | None] | None:
         """``(parameter name, rows)`` of an in-projection weight or block of its rows."""
         for name, parameter in self.weights.items():
@@ -231,7 +246,10 @@ class _Forward:
     def result(self) -> tuple[list[Tensor], Captured | None]:
         """The watched outputs and the note; no tensors and None unless every product was
         seen as expected."""
-        if self.problem or self.out_calls != 1 or not self._rows_covered():
+        trainable = sorted(n for n, bias in self.appended.items()
+                           if bias is not None and bias.requires_grad)
+        if self.problem or self.out_calls != 1 or not self._rows_covered() \
+                or sorted(self.captured.appended) != trainable:
             return [], None
         shape = (*self.sources[0].shape[:2], self.out_weight.shape[1])  # [L, B, E]
         attended = self.captured.attended
@@ -239,7 +257,7 @@ class _Forward:
             if attended.numel() != shape[0] * shape[1] * shape[2]:
                 return [], None
             self.captured.attended = attended.reshape(shape)
-        return self.watched, self.captured
+        return self.watched + self.appended_copies, self.captured
 
     def _rows_covered(self) -> bool:
         """The rows of each trainable in-projection weight, and of the bias, covered exactly
@@ -265,13 +283,12 @@ class _Forward:
 
 def _covered(arguments: dict[str, Any]) -> bool:
     """Whether a call of the functional forward is one the capture handles: batched 3-D
-    inputs, plain tensors (a subclass's own ``__torch_function__`` is left to run), no
-    ``bias_k`` / ``bias_v`` and no static keys or values."""
+    inputs, plain tensors (a subclass's own ``__torch_function__`` is left to run), no static
+    keys or values."""
     query = arguments.get("query")
     if not isinstance(query, Tensor) or query.dim() != 3:
         return False
-    if any(arguments.get(name) is not None for name in ("bias_k", "bias_v", "static_k",
-                                                        "static_v")):
+    if any(arguments.get(name) is not None for name in ("static_k", "static_v")):
         return False
     return all(type(t) in (Tensor, nn.Parameter) for t in arguments.values()
                if isinstance(t, Tensor))
