@@ -1,5 +1,5 @@
 """The native nn.MultiheadAttention rule against the float64 per-sample loop, every option,
-both ways: projections captured in the forward, and the attention recomputed."""
+both ways: projections captured in the forward, and in a re-run of it."""
 import copy
 from contextlib import contextmanager
 from unittest import mock
@@ -60,8 +60,8 @@ def sample(x, spec, i, heads):
 
 @contextmanager
 def recomputing(recompute=True):
-    """Models hooked inside capture nothing in the attention's forward: every call is
-    recomputed."""
+    """Models hooked inside capture nothing in the attention's forward (as under
+    torch.compile): every call is captured in a re-run of it."""
     if not recompute:
         yield
         return

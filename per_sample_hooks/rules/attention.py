@@ -28,7 +28,7 @@ from ..errors import PerSampleHooksError
 from ..forms import Dense, Form, by_parameter, one_group
 from .attention_capture import Captured, ProjectionCapture, capture_projections
 from .base import Rule, register_rule
-from .fallback import call_grad1, unit_parameters
+from .fallback import call_grad1, explicit_attention_agrees, unit_parameters
 
 IN_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 """Parameters of the in-projections (their gradients need the query, key and value)."""
@@ -103,13 +103,13 @@ def rerun_captured(module: nn.MultiheadAttention, call: Call
     projection capture, and the gradients of its watched products by autograd from the
     call's output gradients: the note and ``dP`` of a captured call. None when the re-run is
     not captured either (another torch-function mode, a tensor subclass). The re-run takes
-    the explicit ``softmax(QK^T)V`` (``need_weights``, unless ``is_causal``, which the fused
-    path applies its own way) and three in-projections rather than one packed: measured
-    about 1.3x faster than the fused attention's and the packed projection's backward on CPU."""
+    the explicit ``softmax(QK^T)V`` where it agrees (:func:`.fallback.explicit_attention_agrees`)
+    and three in-projections rather than one packed: measured about 1.3x faster than the fused
+    attention's and the packed projection's backward on CPU."""
     capture = ProjectionCapture(module, lambda: True)
     arguments = _SIGNATURE.bind(module, *call.args, **call.kwargs).arguments
     del arguments["self"]
-    if not arguments.get("is_causal", False):
+    if explicit_attention_agrees(arguments):
         arguments["need_weights"] = True
     arguments["key"], arguments["value"] = (t if t is not arguments["query"] else t.view_as(t)
                                             for t in (arguments["key"], arguments["value"]))

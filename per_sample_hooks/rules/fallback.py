@@ -156,14 +156,20 @@ def attention_layout(module: nn.MultiheadAttention, call: Call) -> Layout:
     table = {"query": dim, "key": dim, "value": dim, "key_padding_mask": 0,
              "attn_mask": _mask_spec(arguments.get("attn_mask"), dim, batch_size)}
     layout = _named_layout(module, call, table, [dim, 0], batch_size)
-    # need_weights=True takes the explicit softmax(QK^T)V path, which vmap batches; the fused
-    # scaled_dot_product_attention has no batching rule on CPU (a slow per-sample fallback).
-    # The output leaves keep their positions: (out, None) becomes (out, weights). Not with
-    # is_causal, which the fused path applies as its own top-left mask over the keys and
-    # any bias_k / zero attention appended, instead of attn_mask.
-    if not arguments.get("is_causal", False):
+    # The output leaves keep their positions: (out, None) becomes (out, weights).
+    if explicit_attention_agrees(arguments):
         layout.rerun_kwargs["need_weights"] = True
     return layout
+
+
+def explicit_attention_agrees(arguments: dict[str, object]) -> bool:
+    """Whether a re-run of a MultiheadAttention call (its arguments by name) with
+    ``need_weights=True`` gives its outputs: that path is the explicit ``softmax(QK^T)V``,
+    which ``vmap`` batches (the fused ``scaled_dot_product_attention`` has no batching rule on
+    CPU: a slow per-sample fallback) and whose backward is faster. Not with ``is_causal``,
+    which the fused path applies as its own top-left mask over the keys and any ``bias_k`` /
+    zero attention appended, instead of ``attn_mask``."""
+    return not arguments.get("is_causal", False)
 
 
 def _transformer_layout(module: nn.Module, call: Call, sequences: Sequence[str],
