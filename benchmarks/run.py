@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             if model in (None, name):
                 ratio = results[method].ratio_to(results[reference])
                 verdict = "ok" if ratio <= limit else "MISSED"
-                print(f"  goal {goal}: {ratio:.2f}x {verdict}")
+                bound = "" if reference == "floor" else \
+                    f" (floor: {results['floor'].ratio_to(results[reference]):.2f}x)"
+                print(f"  goal {goal}: {ratio:.2f}x {verdict}{bound}")
                 if ratio > limit:
                     missed.append(f"{name}: {goal}")
     if missed:
