@@ -333,6 +333,8 @@ class FallbackRule(Rule):
 
     def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
+        """Call by call, each call's dense gradients added into ``out`` before the next re-run
+        (the forms would hold every call's at once: a unit called in a loop over time steps)."""
         params = unit_parameters(module)
         names = [n for n in params if n in out]
         for i, call in enumerate(calls):
