@@ -194,7 +194,7 @@ def _isolated(leaf: object) -> object:
 def _in_backward() -> bool:
     """Whether autograd's engine is running a backward: a forward then is a recomputation of
     activation checkpointing (``torch.utils.checkpoint``, transformers'
-    ``gradient_checkpointing_enable``), not a new micro-batch. Reentrant checkpointing runs
+    ``activation_checkpointing_enable``), not a new micro-batch. Reentrant checkpointing runs
     the forward without grad (nothing recorded) and records the recomputed call, whose outputs
     get the gradients; non-reentrant records both, and the recomputed one gets none."""
     return torch._C._current_graph_task_id() != -1
@@ -206,8 +206,10 @@ def refused_by_reentrant_checkpointing(error: RuntimeError) -> bool:
     return "use_reentrant=True" in str(error)
 
 
-NON_REENTRANT = ("use_reentrant=False (transformers: model.gradient_checkpointing_enable("
-                 "gradient_checkpointing_kwargs={'use_reentrant': False}))")
+NON_REENTRANT = ("use_reentrant=False (transformers: model.activation_checkpointing_enable("
+                 "activation_checkpointing_kwargs={'use_reentrant': False}), or "
+                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+                 "False}) in versions that do not have it)")
 """The fix for a backward that reentrant checkpointing refuses, as the refusals spell it."""
 
 

@@ -352,14 +352,27 @@ def grad1_rows(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def checkpointing(model: nn.Module, kwargs: dict | None) -> None:
+    """transformers' activation checkpointing on with ``kwargs`` (off for None), by the name
+    the installed version documents: ``activation_checkpointing_enable`` where it has it, else
+    ``gradient_checkpointing_enable`` (a deprecated alias where both exist)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if kwargs is None:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    elif new:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_gradient_checkpointing(reentrant, dtype) -> None:
-    """GPT-2 with ``gradient_checkpointing_enable()``: grad1, then DPSGD steps (whose
+    """GPT-2 with transformers' activation checkpointing: grad1, then DPSGD steps (whose
     output-edge backward cannot run through reentrant checkpointing: an ordinary backward
     there), against the loop taken without checkpointing."""
     model, batch = build("gpt2", dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointing(model, {"use_reentrant": reentrant})
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     start = {n: p.detach().clone().double() for n, p in params.items()}
     dp = psh.DPSGD(model, torch.optim.SGD(params.values(), lr=1.0), noise_multiplier=0.0,
@@ -375,7 +388,7 @@ def test_gradient_checkpointing(reentrant, dtype) -> None:
     finally:
         dp.close()
         psh.remove_hooks(model)
-    model.gradient_checkpointing_disable()  # the loop's autograd.grad: not through reentrant
+    checkpointing(model, None)  # the loop's autograd.grad: not through reentrant
     assert_rows_close(got, loop_grads_at(model, batch, start), dtype, "gpt2")
     expected = loop_grads_at(model, batch, {n: p.double() for n, p in before.items()})
     total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
