@@ -382,7 +382,7 @@ def check_unseen_uses(state: HookState, step: Step, kept: KeptGrads | None = Non
         return
     if check.decision is not False:  # not a step the schedule skipped (a sharded model's: None)
         refuse_sharded_check(step)
-    check.schedule.step_read()
+    check.schedule.step_read(checked=bool(check.decision))
     if not check.totals:
         return
     start = time.perf_counter()

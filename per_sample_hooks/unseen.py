@@ -46,7 +46,8 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
    ``compute_*`` call reads it), so that the sampled checks cost at most about 0.5% of the
    training time. Both times are measured (running averages); the step time is that of a
    forward and backward, up to the ``compute_*`` call (an underestimate of a training step),
-   measured on the first steps and after each check. The first check's time, which includes
+   measured on unchecked steps (a checked step's includes its check's hooks): the first ones
+   and the one after each check. The first check's time, which includes
    one-time costs, is left out: the step after it is checked to measure the check's cost.
 
 On the other steps the check costs a few microseconds: a step count at the step's start and
@@ -110,8 +111,8 @@ class Schedule:
 
     A step counts once a ``compute_*`` call reads it (:meth:`step_read`): one that only
     captures (``clear_backprops``) neither counts nor uses up a draw. Times are running
-    averages, the step's measured on the first steps and on the step after each check: a step
-    that is neither checked nor timed costs a flag, a count and a comparison."""
+    averages, the step's measured on the first unchecked steps and on the step after each
+    check: a step that is neither checked nor timed costs a flag, a count and a comparison."""
 
     def __init__(self, mode: Literal["sampled", "always"], seed: int = 0,
                  budget: float = CHECK_BUDGET, clock: Callable[[], float] = time.perf_counter):
@@ -137,22 +138,24 @@ class Schedule:
             self._started = self.clock()
         return self.until_sampled <= 0 or self.mode == "always"
 
-    def step_read(self) -> None:
+    def step_read(self, checked: bool = False) -> None:
         """A ``compute_*`` call reads the step (the first call of a step counts it). On a
         timed step, the time since :meth:`start` is the step's measure: its forward and
         backward; the optimizer and anything else between steps are not counted, so the checks
         cost less than ``budget`` of the training time, also when steps of other models run in
-        between, as in interleaved benchmarks."""
+        between, as in interleaved benchmarks. A ``checked`` step is not measured (its check's
+        hooks are part of its time; counting them as training time sampled the next checks up
+        to 2.5x as often as the budget allows on the seed-003 MLP): the next one is."""
         if not self._open:
             return
         self._open = False
         self.until_sampled -= 1  # a sampled step that compared nothing stays due: below 0
-        if self._started is None:
+        started, self._started = self._started, None
+        if started is None or checked:
             return
-        seconds = self.clock() - self._started
-        self._started = None
+        seconds = self.clock() - started
         self.steps_measured += 1
-        if self.steps_measured == 1:  # the first step also pays one-time costs: left out
+        if self.steps_measured == 1:  # the first one also pays one-time costs: left out
             return
         self.step_seconds = _average(self.step_seconds, seconds)
         self.timing = False

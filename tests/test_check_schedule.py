@@ -94,7 +94,7 @@ def test_sampled_checks_cost_the_budget():
                 schedule.start()
             sampled = schedule.start()
             now[0] += 1.0
-            schedule.step_read()
+            schedule.step_read(checked=sampled)
             if sampled:
                 checked.append(step)
                 schedule.checked_one("structure", check_seconds)
@@ -128,20 +128,43 @@ def test_sampled_checks_cost_the_budget():
     assert all(always.start() for _ in range(100))
 
 
+def test_a_checked_step_is_not_timed():
+    """The step time the draws use is an unchecked step's: a checked step's time, which
+    includes its check's hooks, is left out, and the step after it is timed instead."""
+    now = [0.0]
+    schedule = Schedule("sampled", seed=1, clock=lambda: now[0])
+    for _ in range(2):  # the first step read pays one-time costs: left out
+        schedule.start()
+        now[0] += 1.0
+        schedule.step_read()
+    assert schedule.step_seconds == 1.0
+    schedule.checked_one("structure", 50.0)  # the first check: the next step is checked
+    assert schedule.start()
+    now[0] += 10.0  # its check's hooks make it long
+    schedule.step_read(checked=True)
+    schedule.checked_one("structure", 0.5)
+    assert schedule.step_seconds == 1.0
+    schedule.start()
+    now[0] += 2.0
+    schedule.step_read()
+    assert schedule.step_seconds == 0.8 * 1.0 + 0.2 * 2.0
+
+
 def test_sampled_checks_run_in_a_training_loop():
     """The first two steps are checked (a new structure, then the check's cost: the first
-    check's time is left out); with a budget that covers the check, every later step too. The
-    check measures its own cost and the step time."""
+    check's time is left out); the next two are timed (the first of them, paying one-time
+    costs, left out), and with a budget that covers the check every later step is checked.
+    The check measures its own cost and the step time."""
     torch.manual_seed(0)
     model = SometimesLeaks()
     with psh.add_hooks(model) as state:
         state.unseen.schedule.budget = 1e9
         checked = []
-        for _ in range(5):
+        for _ in range(7):
             model(torch.randn(5, 3)).pow(2).sum().backward()
             checked.append(state.unseen.due())
             psh.compute_grad1(model)
-        assert all(checked)
+        assert checked == [True, True, False, False, True, True, True]
         assert state.unseen.schedule.check_seconds > 0
         assert state.unseen.schedule.step_seconds > 0
 
