@@ -44,11 +44,12 @@ on that step. So the default (``add_hooks(check_unseen=True)``) checks:
    ``min(1, 0.005 * step time / check cost)``, independently of the others (the number of
    steps to the next sampled check is drawn after each check: geometric; a step counts when a
    ``compute_*`` call reads it), so that the sampled checks cost at most about 0.5% of the
-   training time. Both times are measured (running averages); the step time is that of a
-   forward and backward, up to the ``compute_*`` call (an underestimate of a training step),
-   measured on unchecked steps (a checked step's includes its check's hooks): the first ones
-   and the one after each check. The first check's time, which includes
-   one-time costs, is left out: the step after it is checked to measure the check's cost.
+   training time. Both times are measured (running averages); the step time runs from the
+   step's first hooked forward to the check in its first ``compute_*`` call (the optimizer's
+   step is not counted: an underestimate of a training step), measured on unchecked steps (a
+   checked step's includes its check's hooks): the first ones and the one after each check.
+   The first check's time, which includes one-time costs, is left out: the step after it is
+   checked to measure the check's cost.
 
 On the other steps the check costs a few microseconds: a step count at the step's start and
 the decision at its first captured gradient. The parameters' gradient hooks are registered on
@@ -140,12 +141,13 @@ class Schedule:
 
     def step_read(self, checked: bool = False) -> None:
         """A ``compute_*`` call reads the step (the first call of a step counts it). On a
-        timed step, the time since :meth:`start` is the step's measure: its forward and
-        backward; the optimizer and anything else between steps are not counted, so the checks
-        cost less than ``budget`` of the training time, also when steps of other models run in
-        between, as in interleaved benchmarks. A ``checked`` step is not measured (its check's
-        hooks are part of its time; counting them as training time sampled the next checks up
-        to 2.5x as often as the budget allows on the seed-003 MLP): the next one is."""
+        timed step, the time since :meth:`start` is the step's measure: its forward, backward
+        and the ``compute_*`` call's work before the check; the optimizer and anything else
+        between steps are not counted, so the checks cost less than ``budget`` of the training
+        time, also when steps of other models run in between, as in interleaved benchmarks. A
+        ``checked`` step is not measured (its check's hooks are part of its time; counting them
+        as training time sampled the next checks up to 2.5x as often as the budget allows on
+        the seed-003 MLP): the next one is."""
         if not self._open:
             return
         self._open = False
