@@ -7,7 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from norms_truth import assert_clipping_matches, assert_norms_match
+from norms_truth import (
+    assert_clipping_matches,
+    assert_norms_match,
+    hooked_backward,
+    loop_clipped,
+    loop_norms,
+)
 from test_recurrent_cells import Decoder, decoder_loss, expected_grads, initial_state, make_cell
 from torch import nn
 
@@ -138,6 +144,49 @@ def test_unit_reused_and_partly_frozen(units):
             return self.scale(torch.tanh(h)) + self.gated(h, h)["h"]
 
     assert_matches_loop(Model(), [torch.randn(6, 4)], units=units)
+
+
+class Recurrence(nn.Module):
+    """A cell called once per time step: ``h = tanh(proj(x_t) + scale * h)``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.cell = Gated(d)
+
+    def forward(self, x):
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(x[:, t], h)["h"])
+        return h
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_called_in_a_loop_gives_one_summed_form_per_parameter(dtype):
+    """A unit called at each of T time steps: norms and clipping match the loop, and its
+    forms are one dense sum per parameter (one ``[B, *p]`` held, not T)."""
+    torch.manual_seed(0)
+    model, x = Recurrence(4).to(dtype), torch.randn(5, 6, 4, dtype=dtype)
+    reference = copy.deepcopy(model).double()
+    hooked_backward(model, [x], units=["cell"])
+    state = psh.add_hooks(model)  # (hooked already: its state)
+    try:
+        calls = list(state.calls[model.cell])
+        names = ["scale", "proj.weight", "proj.bias"]
+        forms = psh.FallbackRule().forms(model.cell, calls, names)
+        norms = psh.compute_norms(model)
+        clipped = psh.clip_grads(model, max_grad_norm=0.5)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    assert len(calls) == 6 and {n: len(f) for n, f in forms.items()} == dict.fromkeys(names, 1)
+    total, _, per_sample = loop_norms(reference, [x.double()], weighted_square, "mean")
+    tolerance = loop_tolerance(dtype)
+    torch.testing.assert_close(norms.double(), total, **tolerance)
+    torch.testing.assert_close(clipped.double(), total, **tolerance)
+    expected = loop_clipped(per_sample, total, 0.5, "mean")
+    for n, g in grads.items():
+        torch.testing.assert_close(g.double(), expected[n], **tolerance,
+                                   msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_unit_children_are_not_hooked_and_is_supported():

@@ -296,13 +296,15 @@ class FallbackRule(Rule):
 
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
-        """Each call's per-sample gradients, dense, as the re-run gives them (not copied)."""
+        """The calls' per-sample gradients summed as they are re-run, one dense form per
+        parameter: a unit called in a loop over time steps holds one ``[B, *p]`` each, not
+        one per call."""
         params = unit_parameters(module)
-        result: dict[str, list[Form]] = {name: [] for name in names}
+        sums: dict[str, Tensor] = {}
         for call in calls:
             for name, grad in zip(names, call_grad1(module, call, params, names, 1.0)):
-                result[name].append(Dense(grad))
-        return result
+                sums[name] = grad if name not in sums else sums[name] + grad
+        return {name: [Dense(sums[name])] for name in names}
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         return _lookup_layout(module)(module, call).batch_size
@@ -334,7 +336,7 @@ class FallbackRule(Rule):
     def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
         """Call by call, each call's dense gradients added into ``out`` before the next re-run
-        (the forms would hold every call's at once: a unit called in a loop over time steps)."""
+        (the forms' sums would take one more ``[B, *p]`` per parameter, and a pass to scale)."""
         params = unit_parameters(module)
         names = [n for n in params if n in out]
         for i, call in enumerate(calls):
