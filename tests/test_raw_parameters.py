@@ -801,6 +801,50 @@ def test_leaf_modules_are_followed_or_rerun_exactly(leaf, dtype):
     torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_module_called_in_a_loop_gives_one_summed_form_per_parameter(dtype):
+    """A followed module (a scale and a sliced position table) called at each of T steps:
+    grad1 and norms match the float64 loop, and its forms are one dense sum per parameter
+    (one ``[B, *p]`` held, not T)."""
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+            self.positions = nn.Parameter(torch.randn(6, 4))
+
+        def forward(self, h, t):
+            return torch.tanh(h * self.gamma + self.positions[t:t + 1])
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.step, self.inp = Step(), nn.Linear(3, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for t in range(6):
+                h = self.step(h, t)
+            return h
+
+    torch.manual_seed(0)
+    model, x = Loop().to(dtype), torch.randn(5, 3, dtype=dtype)
+    grads = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    total, _, _ = loop_norms(copy.deepcopy(model).double(), [x.double()], weighted_square,
+                             "mean")
+    with psh.add_hooks(model) as state:
+        assert not state.units
+        weighted_square(model(x)).mean().backward()
+        forms = state.rules[model.step].forms(model.step, state.calls[model.step],
+                                              ["gamma", "positions"])
+        assert len(state.calls[model.step]) == 6
+        assert {n: len(parts) for n, parts in forms.items()} == {"gamma": 1, "positions": 1}
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    assert_close(got, grads, dtype)
+    torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
+
+
 def test_which_calls_are_rerun(monkeypatch):
     """A followed call never reaches the torch.func fallback; an unfollowed one does, once."""
     from per_sample_hooks.rules import fallback

@@ -15,7 +15,8 @@ of each sample::
 -1)``, ``x * p``); otherwise the recorded computation of ``t`` from the parameters
 (``p[:, :T]``, an interpolation) is replayed with ``torch.func.vjp`` and the per-sample
 gradients of ``t`` pulled back through it with ``vmap``. Several sites of one value are summed
-before. The result is one :class:`~per_sample_hooks.forms.Dense` form per parameter and call.
+before, and the calls' as they are pulled back: one :class:`~per_sample_hooks.forms.Dense` form
+per parameter.
 
 A call whose own code used a raw parameter in a way the sites cannot account for is refused,
 with what it did and how to make the module one unit of the ``torch.func`` fallback.
@@ -128,16 +129,22 @@ class RawParameterRule(Rule):
 
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
+        """The ``F.linear`` sites' forms, and the other sites' per-sample gradients summed
+        over the calls as they are pulled back (one dense form per parameter: a module called
+        in a loop holds one ``[B, *p]``, not one per call)."""
         result: dict[str, list[Form]] = {name: [] for name in names}
+        sums: dict[str, Tensor] = {}
         for call in calls:
             for value, per_sample in site_gradients(call):
                 for name, grad in pull_back(module, value, per_sample).items():
                     if name in result:
-                        result[name].append(Dense(grad))
+                        sums[name] = grad if name not in sums else sums[name] + grad
             for name, form in linear_forms(call, names):
                 result[name].append(form)
         for name, parts in result.items():
-            if not parts:  # not used in any call that reached the loss
+            if name in sums:
+                parts.append(Dense(sums[name]))
+            elif not parts:  # not used in any call that reached the loss
                 p = module.get_parameter(name)
                 parts.append(Dense(p.new_zeros((self.batch_size(module, calls[0]), *p.shape))))
         return result
