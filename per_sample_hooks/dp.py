@@ -499,10 +499,14 @@ class DPSGD:
             pending = empty_batch or self._backward_pending()
             norms = self.accumulate(empty_batch, groups) if pending else torch.zeros(0)
             for p, total in zip(params, self._sums.like(params)):
-                p.grad = total.clone() if p.grad is None else p.grad.copy_(total)
+                p.grad = total.clone() if p.grad is None or p.grad.is_sparse else \
+                    p.grad.copy_(total)
             scale, self._accumulated = 1.0, 0
         else:
             norms, scale = self._clip(empty_batch, groups)
+        for p in params:  # a checked step's Embedding(sparse=True): dense, as on the others
+            if p.grad.is_sparse:  # (and the noise is on every row)
+                p.grad = p.grad.to_dense()
         expected = self.batch_size * (dist.get_world_size() if self.distributed else 1)
         if scale != expected:
             for p in params:

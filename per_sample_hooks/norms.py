@@ -354,6 +354,8 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                          _grad_target)
     shared = shared_parameters(step)
     layers = step.layers
+    sparse = [p for w in layers for p in w.parameters.values()  # Embedding(sparse=True)'s
+              if p.grad is not None and p.grad.layout != torch.strided]
     if release_records:  # the largest new p.grad last, when the fewest records are left
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     if step.batch_size == 0:  # the sum over no sample: zero gradients
@@ -407,6 +409,8 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                 call.release()
     if release_records:
         state.storage.end_step()
+    for p in sparse:  # the layout autograd gave (SparseAdam takes no dense gradient)
+        p.grad = p.grad.to_sparse(sparse_dim=1)
     return norms
 
 

@@ -7,11 +7,23 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import TiedLanguageModel
-from norms_truth import assert_clipping_matches, assert_norms_match, hooked_backward
+from norms_truth import (
+    assert_clipping_matches,
+    assert_norms_match,
+    hooked_backward,
+    loop_clipped,
+    loop_norms,
+)
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, seeded, weighted_square
+from ground_truth import (
+    assert_matches_loop,
+    loop_grads,
+    loop_tolerance,
+    seeded,
+    weighted_square,
+)
 from per_sample_hooks.rules import default_registry, fallback
 
 LOSS_TYPES = st.sampled_from(["mean", "sum"])
@@ -142,6 +154,53 @@ def test_embedding_sparse():
 
 def test_embedding_sparse_with_unseen_check():
     sparse_grad1(check_unseen=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_clipping_keeps_a_sparse_gradient_sparse(dtype):
+    """Embedding(sparse=True): clip_grads leaves p.grad sparse, as autograd gave it (SparseAdam
+    takes no dense gradient), equal to the float64 loop's clipped mean. DPSGD's p.grad is
+    dense on every step, its first (checked: an ordinary backward, sparse gradients) too,
+    in one batch or two micro-batches, and equal to the loop's without noise."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Embed(7, 3, sparse=True, padding_idx=1).to(dtype)
+
+    model, tokens = build(), torch.randint(7, (6, 3), generator=seeded(1))
+    reference = Embed(7, 3, padding_idx=1).double()  # dense gradients for the loop
+    reference.load_state_dict(model.state_dict())
+    total, _, grads = loop_norms(reference, [tokens], weighted_square, "mean")
+    expected = loop_clipped(grads, total, 0.5, "mean")
+    tolerance = loop_tolerance(dtype)
+    hooked_backward(model, [tokens])
+    try:
+        psh.clip_grads(model, max_grad_norm=0.5)
+        assert model.emb.weight.grad.is_sparse
+        torch.testing.assert_close(model.emb.weight.grad.to_dense().double(),
+                                   expected["emb.weight"], **tolerance)
+        torch.optim.SparseAdam([model.emb.weight]).step()
+    finally:
+        psh.remove_hooks(model)
+    for noise, micro_batches in [(0.0, 1), (0.0, 2), (1.0, 1)]:
+        model = build()
+        dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                       noise_multiplier=noise, max_grad_norm=0.5, dataset_size=60, batch_size=6,
+                       accountant=None)
+        try:
+            for _ in range(2):  # (lr 0: the same step twice, the second not checked)
+                dp.zero_grad()
+                for part in tokens.chunk(micro_batches):
+                    dp.backward(weighted_square(model(part)).mean())
+                    if micro_batches > 1:
+                        dp.accumulate()
+                dp.step()
+                assert not model.emb.weight.grad.is_sparse
+                if noise == 0:
+                    torch.testing.assert_close(model.emb.weight.grad.double(),
+                                               expected["emb.weight"], **tolerance)
+        finally:
+            dp.close()
+            psh.remove_hooks(model)
 
 
 @pytest.mark.parametrize("make", [lambda: Embed(5, 3, scale_grad_by_freq=True),
