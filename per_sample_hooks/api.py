@@ -221,6 +221,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call), broadcast)
+    state.gradient_copies = {m for m, rule in rules.items() if rule.aliases_output_gradient(m)}
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
         watching = rule.watch(module, modules[module][1], state.capturing)
         if watching is not None:

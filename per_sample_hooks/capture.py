@@ -238,8 +238,8 @@ def _not_recorded_here(compiling: bool) -> bool:
 
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
-                     call: tuple[nn.Module, Call] | None = None, compiling: bool = False
-                     ) -> list[Callable]:
+                     call: tuple[nn.Module, Call] | None = None, compiling: bool = False,
+                     copy: bool = False) -> list[Callable]:
     """Append to ``sink`` each gradient that reaches ``leaf`` (one per backward pass); on the
     step's first arrival set ``owner.status.backward_seen`` and call each of
     ``owner.listeners.on_backward``; for a call's output (``call``: ``(module, record)``), call
@@ -258,14 +258,16 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     added without a handle (:func:`add_tensor_hook`) unless ``compiling``. A None gradient (what
     a node with several outputs, cuDNN's RNN, gives the hooks of those the loss did not use) is
     no arrival. A gradient that requires grad (a backward with ``create_graph=True``) is noted
-    in ``owner.status.create_graph``.
+    in ``owner.status.create_graph``. ``copy``: each gradient is kept as a copy (one the
+    backward below aliases: :meth:`Rule.aliases_output_gradient
+    <per_sample_hooks.rules.base.Rule.aliases_output_gradient>`).
     """
     register = Tensor.register_hook if compiling else add_tensor_hook
 
     def arrived(grad: Tensor | None) -> None:
         if grad is None:  # an unused output of a node with several (a cuDNN RNN's h_n)
             return
-        sink.append(grad)
+        sink.append(grad.clone() if copy else grad)
         if owner is not None:
             if grad.requires_grad:
                 owner.status.create_graph = True
@@ -545,8 +547,9 @@ class HookState:
     holds no input or output gradient); ``batch_of``: ``(module, call) -> batch size`` of a call
     (raises when it cannot tell); ``broadcast`` (below); ``watchers``: ``module -> watcher()``,
     giving, as a call of ``module`` is recorded, tensors of its forward whose gradients are
-    captured too (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`); ``unseen``
-    (the unseen-use check, opaque here).
+    captured too (:attr:`Call.watched`) and a note on the call (:attr:`Call.note`);
+    ``gradient_copies``: modules whose captured output gradients are copies (the backward
+    below aliases them); ``unseen`` (the unseen-use check, opaque here).
     Changing: ``calls`` and ``status`` (this step's), ``storage`` (buffers), ``enabled``
     (pausing capture), ``listeners`` (add-ons' callbacks), ``sharded_of`` (FSDP2) and
     ``reentrant_checkpointing`` (set once a call recorded during a backward, a recomputation of
@@ -574,6 +577,7 @@ class HookState:
         self.batch_of = batch_of
         self.broadcast = broadcast  # expand calls of batch 1 to the step's batch
         self.watchers: dict[nn.Module, Callable[[], tuple[list[Tensor], object]]] = {}
+        self.gradient_copies: set[nn.Module] = set()
         self.unseen: Any = None
         self.calls: dict[nn.Module, list[Call]] = {m: [] for m in modules}
         self.status = StepStatus(consumed=True)  # the first forward starts the first step
@@ -670,7 +674,8 @@ class HookState:
         hooks = []
         for grads, leaf in zip(call.grads, leaves):
             if isinstance(leaf, Tensor) and leaf.requires_grad:
-                hooks += capture_gradient(leaf, grads, self, (owner, call), compiling)
+                hooks += capture_gradient(leaf, grads, self, (owner, call), compiling,
+                                          owner in self.gradient_copies)
                 for notify in self.listeners.on_capture:
                     notify(leaf)
         watcher = self.watchers.get(owner) if self.watchers else None

@@ -198,6 +198,8 @@ def trainable_grads(model: nn.Module) -> list[Tensor]:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:  # (Embedding(sparse=True)): summed over the ranks densely
+            p.grad = p.grad.to_dense()
         grads.append(p.grad)
     return grads
 

@@ -260,6 +260,33 @@ def all_checks(rank: int) -> None:
         dpsgd_matches_one_process(rank, loss_type)
         grouped_clipping_matches_one_process(rank, loss_type)
     weighted_mean_helper(rank)
+    sparse_embedding_clipping(rank)
+
+
+def sparse_embedding_clipping(rank: int) -> None:
+    """An Embedding(sparse=True): DDP divides its sparse gradient in place, whose values are a
+    view of the Embedding's output gradient (grad1 was 1/world_size of the truth unchecked,
+    the unseen-use check refused it); distributed.clip_grads sums its clipped gradient (sparse,
+    as clip_grads keeps it) over the ranks, densely."""
+    reference = make_tagger()
+    model = make_tagger()
+    model[0].sparse = True
+    ddp = DistributedDataParallel(model)
+    tokens = torch.randint(5, (sum(STEP_SHARDS[0]), 4), generator=torch.Generator().manual_seed(7))
+    grads, total = loop_truth(reference, tokens)
+    expected = loop_clipped(grads, total, MAX_NORM, "mean")
+    with psh.add_hooks(ddp, check_unseen=False):
+        backward(ddp, shard(tokens, rank), "mean")
+        assert ddp.module[0].weight.grad.is_sparse
+        psh.compute_grad1(ddp)
+        for n, p in ddp.module.named_parameters():
+            check_close(p.grad1, shard(grads[n], rank), f"rank {rank} sparse embedding grad1 {n}")
+    ddp.zero_grad(set_to_none=True)
+    with psh.add_hooks(ddp):
+        backward(ddp, shard(tokens, rank), "mean")
+        psh.distributed.clip_grads(ddp, MAX_NORM, "mean")
+    for n, p in ddp.module.named_parameters():
+        check_close(p.grad, expected[n], f"rank {rank} sparse embedding: clipped {n}")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -130,6 +130,14 @@ class Rule:
         """Raise :class:`~per_sample_hooks.errors.PerSampleHooksError` if the captured calls
         cannot give exact per-sample quantities (``name`` is the module's path)."""
 
+    def aliases_output_gradient(self, module: nn.Module) -> bool:
+        """Whether ``module``'s backward hands its output gradient on as (part of) its
+        parameter's gradient, not copied, so that a change in place of that gradient would
+        change the captured one: the capture then keeps a copy. ``nn.Embedding(sparse=True)``:
+        the sparse gradient's values are a view of the output gradient, and DDP divides them
+        in place by the world size (no version counter sees it)."""
+        return False
+
 
 def refuse_unbatched(module: nn.Module, calls: Sequence[Call], name: str, feature_dims: int
                      ) -> None:

@@ -85,6 +85,9 @@ class EmbeddingRule(RowsRule):
     def check(self, module: nn.Embedding, calls: Sequence[Call], name: str) -> None:
         refuse_frequency_scaling(module, name)
 
+    def aliases_output_gradient(self, module: nn.Embedding) -> bool:
+        return module.sparse
+
 
 def bag_arguments(call: Call) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(input, offsets, per_sample_weights)`` of an EmbeddingBag call, a 2-D input and its
