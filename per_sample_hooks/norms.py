@@ -355,7 +355,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     shared = shared_parameters(step)
     layers = step.layers
     sparse = [p for w in layers for p in w.parameters.values()  # Embedding(sparse=True)'s
-              if p.grad is not None and p.grad.layout != torch.strided]
+              if p.grad is not None and p.grad.is_sparse]
     if release_records:  # the largest new p.grad last, when the fewest records are left
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     if step.batch_size == 0:  # the sum over no sample: zero gradients
