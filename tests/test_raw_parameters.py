@@ -828,9 +828,8 @@ def test_a_module_called_in_a_loop_gives_one_summed_form_per_parameter(dtype):
 
     torch.manual_seed(0)
     model, x = Loop().to(dtype), torch.randn(5, 3, dtype=dtype)
-    grads = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
-    total, _, _ = loop_norms(copy.deepcopy(model).double(), [x.double()], weighted_square,
-                             "mean")
+    total, _, grads = loop_norms(copy.deepcopy(model).double(), [x.double()], weighted_square,
+                                 "mean")
     with psh.add_hooks(model) as state:
         assert not state.units
         weighted_square(model(x)).mean().backward()
