@@ -260,18 +260,21 @@ def all_checks(rank: int) -> None:
         dpsgd_matches_one_process(rank, loss_type)
         grouped_clipping_matches_one_process(rank, loss_type)
     weighted_mean_helper(rank)
-    sparse_embedding_clipping(rank)
+    for dtype in (torch.float64, torch.float32):
+        sparse_embedding_clipping(rank, dtype)
 
 
-def sparse_embedding_clipping(rank: int) -> None:
+def sparse_embedding_clipping(rank: int, dtype: torch.dtype) -> None:
     """An Embedding(sparse=True): DDP divides its sparse gradient in place, whose values are a
     view of the Embedding's output gradient (grad1 was 1/world_size of the truth unchecked,
     the unseen-use check refused it); distributed.clip_grads sums its clipped gradient (sparse,
-    as clip_grads keeps it) over the ranks, densely."""
+    as clip_grads keeps it) over the ranks, densely. Against the float64 loop, in ``dtype``."""
     reference = make_tagger()
-    model = make_tagger()
+    model = make_tagger().to(dtype)
     model[0].sparse = True
     ddp = DistributedDataParallel(model)
+    tolerance = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else \
+        dict(rtol=1e-4, atol=1e-6)
     tokens = torch.randint(5, (sum(STEP_SHARDS[0]), 4), generator=torch.Generator().manual_seed(7))
     grads, total = loop_truth(reference, tokens)
     expected = loop_clipped(grads, total, MAX_NORM, "mean")
@@ -280,13 +283,15 @@ def sparse_embedding_clipping(rank: int) -> None:
         assert ddp.module[0].weight.grad.is_sparse
         psh.compute_grad1(ddp)
         for n, p in ddp.module.named_parameters():
-            check_close(p.grad1, shard(grads[n], rank), f"rank {rank} sparse embedding grad1 {n}")
+            torch.testing.assert_close(p.grad1.double(), shard(grads[n], rank), **tolerance,
+                                       msg=lambda m, n=n: f"rank {rank} grad1 {n}: {m}")
     ddp.zero_grad(set_to_none=True)
     with psh.add_hooks(ddp):
         backward(ddp, shard(tokens, rank), "mean")
         psh.distributed.clip_grads(ddp, MAX_NORM, "mean")
     for n, p in ddp.module.named_parameters():
-        check_close(p.grad, expected[n], f"rank {rank} sparse embedding: clipped {n}")
+        torch.testing.assert_close(p.grad.double(), expected[n], **tolerance,
+                                   msg=lambda m, n=n: f"rank {rank} clipped {n}: {m}")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
