@@ -360,6 +360,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     if step.batch_size == 0:  # the sum over no sample: zero gradients
         _write_zeros(layers, shared, grads)
+        _as_sparse(sparse)
         return _empty_batch_norms(model, step, per_param=False)
     # records released as soon as a layer's per-sample gradients are all kept; only when the
     # unseen-use check has nothing to compare (not a checked step, or the output-edge backward
@@ -409,9 +410,15 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                 call.release()
     if release_records:
         state.storage.end_step()
-    for p in sparse:  # the layout autograd gave (SparseAdam takes no dense gradient)
-        p.grad = p.grad.to_sparse(sparse_dim=1)
+    _as_sparse(sparse)
     return norms
+
+
+def _as_sparse(params: list[Tensor]) -> None:
+    """Each ``p.grad`` back to the sparse layout autograd gave it (SparseAdam takes no dense
+    gradient)."""
+    for p in params:
+        p.grad = p.grad.to_sparse(sparse_dim=1)
 
 
 __all__ = ["compute_norms", "clip_grads", "clipping_coefficients", "check_max_norm",

@@ -159,7 +159,8 @@ def test_embedding_sparse_with_unseen_check():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_clipping_keeps_a_sparse_gradient_sparse(dtype):
     """Embedding(sparse=True): clip_grads leaves p.grad sparse, as autograd gave it (SparseAdam
-    takes no dense gradient), equal to the float64 loop's clipped mean. DPSGD's p.grad is
+    takes no dense gradient), equal to the float64 loop's clipped mean, and zero on an empty
+    (Poisson) batch. DPSGD's p.grad is
     dense on every step, its first (checked: an ordinary backward, sparse gradients) too,
     in one batch or two micro-batches, and equal to the loop's without noise."""
     def build() -> nn.Module:
@@ -178,6 +179,11 @@ def test_clipping_keeps_a_sparse_gradient_sparse(dtype):
         assert model.emb.weight.grad.is_sparse
         torch.testing.assert_close(model.emb.weight.grad.to_dense().double(),
                                    expected["emb.weight"], **tolerance)
+        torch.optim.SparseAdam([model.emb.weight]).step()
+        model.zero_grad(set_to_none=True)
+        model(tokens[:0]).sum().backward()
+        assert len(psh.clip_grads(model, max_grad_norm=0.5)) == 0
+        assert model.emb.weight.grad.is_sparse and not model.emb.weight.grad.to_dense().any()
         torch.optim.SparseAdam([model.emb.weight]).step()
     finally:
         psh.remove_hooks(model)
