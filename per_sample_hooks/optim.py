@@ -180,6 +180,14 @@ def has_trainable_bias(module: nn.Module) -> bool:
     return isinstance(bias, Tensor) and bias.requires_grad
 
 
+def matrix_columns(module: nn.Module, transposed: bool = False) -> int:
+    """The columns of :func:`gradient_matrix`: a row of the weight, and the bias if it is
+    trainable (the size of the factor ``A``)."""
+    weight = module.weight
+    rows = weight.shape[1] if transposed else weight.shape[0]
+    return weight.numel() // rows + has_trainable_bias(module)
+
+
 def gradient_matrix(module: nn.Module, groups: int, da: int, transposed: bool = False
                     ) -> Tensor | None:
     """The weight gradient (``transposed``: of a weight stored ``[in, out]``, transformers'
@@ -359,10 +367,11 @@ class KFAC:
             self.update_factors(self.read_factors(self.model))
         self.read_this_step = False
         clear_backprops(self.model)
-        if self.steps % self.inverse_freq == 0 or any(
-                m not in self.eigen and m not in self.excluded
-                for m in (*self.factors, *self.embeddings)):
+        if self.steps % self.inverse_freq == 0:
             self.update_eigen()
+        else:  # blocks new or reshaped since the last refresh (the others keep theirs)
+            self.update_eigen([m for m in (*self.factors, *self.embeddings)
+                               if m not in self.eigen and m not in self.excluded])
         self.precondition_grads()
         self.steps += 1
         if self.pause_hooks and self.update_freq > 1:
@@ -373,14 +382,12 @@ class KFAC:
         taken as is), then update :attr:`left_to_optimizer`."""
         decay = self.factor_decay
         everything = new if isinstance(new, KFACFactors) else KFACFactors(dict(new))
+        read = {*everything.kronecker, *everything.embeddings,
+                *((m, n) for m, diagonals in everything.diagonal.items() for n in diagonals)}
         for module, (a, g) in everything.kronecker.items():
-            pair = (as_grouped(a.detach()), as_grouped(g.detach()))
-            check_finite(pair, f"Kronecker factors for '{self.names.get(module, module)}'")
-            self.factors[module] = running_average(self.factors.get(module), pair, decay)
+            self.fold(self.factors, module, (as_grouped(a.detach()), as_grouped(g.detach())))
         for module, (a, g) in everything.embeddings.items():
-            pair = (a.detach(), g.detach())
-            check_finite(pair, f"Kronecker factors for '{self.names.get(module, module)}'")
-            self.embeddings[module] = running_average(self.embeddings.get(module), pair, decay)
+            self.fold(self.embeddings, module, (a.detach(), g.detach()))
         for module, diagonals in everything.diagonal.items():
             for name, diagonal in diagonals.items():
                 key = (module, name)
@@ -389,27 +396,64 @@ class KFAC:
                 old = self.diagonals.get(key)
                 self.diagonals[key] = running_average(None if old is None else (old,),
                                                       (diagonal.detach(),), decay)[0]
+        self.drop_outdated(read)
         self.skipped = set(everything.skipped)
         self.update_coverage()
 
-    def update_eigen(self) -> None:
+    def fold(self, blocks: dict[nn.Module, tuple[Tensor, Tensor]], module: nn.Module,
+             pair: tuple[Tensor, Tensor]) -> None:
+        """``module``'s new factors ``pair`` into its running average in ``blocks``; its
+        eigendecomposition is dropped when their shapes changed (a bias frozen or unfrozen)."""
+        check_finite(pair, f"Kronecker factors for '{self.names.get(module, module)}'")
+        old = blocks.get(module)
+        if old is not None and any(o.shape != n.shape for o, n in zip(old, pair)):
+            self.eigen.pop(module, None)
+        blocks[module] = running_average(old, pair, self.factor_decay)
+
+    def drop_outdated(self, read: set[object]) -> None:
+        """Drop the blocks (and their eigendecompositions) that the factors just ``read``
+        (folded in) replace: one not read now whose parameters are held by a block read now
+        (a Linear's bias had a diagonal while its weight was frozen, and is in its Kronecker
+        block again), or that holds a frozen parameter, or whose bias column is no longer
+        that of the module (its bias frozen or unfrozen). A block merely not read now (its
+        module did not reach this step's loss) keeps its running average."""
+        held = {id(p) for key, params in self.blocks().items() if key in read for p in params}
+        for key, params in self.blocks().items():
+            if key in read:
+                continue
+            module = block_module(key)
+            reshaped = key in self.factors and self.factors[key][0].shape[-1] != \
+                matrix_columns(module, module in self.transposed)
+            if reshaped or any(id(p) in held or not p.requires_grad for p in params):
+                for blocks in (self.factors, self.embeddings, self.diagonals, self.eigen):
+                    blocks.pop(key, None)
+
+    def update_eigen(self, modules: list[nn.Module] | None = None) -> None:
         """Eigendecompositions of the current running averages (the diagonal ``A`` of an
-        Embedding is its own)."""
-        self.eigen = {m: eigen_of(a, g, self.eigh_dtype) for m, (a, g) in self.factors.items()
-                      if m not in self.excluded}
-        for module, (a, g) in self.embeddings.items():
-            if module not in self.excluded:
+        Embedding is its own): of ``modules``' blocks, or all (None)."""
+        if modules is None:
+            self.eigen = {}
+            modules = [m for m in (*self.factors, *self.embeddings) if m not in self.excluded]
+        for module in modules:
+            if module in self.factors:
+                self.eigen[module] = eigen_of(*self.factors[module], self.eigh_dtype)
+            else:
+                a, g = self.embeddings[module]
                 l_g, q_g = symmetric_eigh(as_grouped(g), self.eigh_dtype)
                 self.eigen[module] = Eigen(None, a.clamp_min(0).unsqueeze(0), q_g, l_g)
 
     def precondition_grads(self) -> None:
         """Replace covered gradients by the damped KFAC direction, with step-size control."""
         done: list[tuple[Tensor, Tensor, Callable[[Tensor], None]]] = []  # (M, P, write P)
+        sparse = []
         for module, eigen in self.eigen.items():
             if module in self.excluded:
                 continue
             if eigen.q_a is None:  # Embedding [V, d]: as a Linear on one-hot inputs, [d, V]
                 grad = module.weight.grad
+                if grad is not None and grad.is_sparse:  # Embedding(sparse=True)
+                    grad = module.weight.grad = grad.to_dense()
+                    sparse.append(module.weight)
                 m = None if grad is None else grad.t().unsqueeze(0)
                 write = partial(write_rows, module)
             else:
@@ -425,6 +469,8 @@ class KFAC:
         scale = self.step_scale([(m, p) for m, p, _ in done])
         for _, p, write in done:
             write(p * scale if scale != 1.0 else p)
+        for weight in sparse:  # the layout autograd gave: A is diagonal, so the rows no token
+            weight.grad = weight.grad.to_sparse(sparse_dim=1)  # hit stay zero
 
     def step_scale(self, pairs: list[tuple[Tensor, Tensor]]) -> float:
         """The factor applied to every preconditioned gradient (1 without step-size control)."""

@@ -279,6 +279,73 @@ def test_backprop_hess_passes_stop_at_the_outputs_after_the_checked_steps(update
     assert precond.edges is None
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_freezing_and_unfreezing_between_steps(dtype, set_to_none):
+    """Parameters frozen and unfrozen between steps, between eigendecompositions
+    (``inverse_freq=10``): the first layer's bias frozen (its ``A`` loses the bias column),
+    then the second layer's weight (its bias gets a curvature diagonal), then everything
+    trainable again. Every step preconditions every trainable parameter, the Kronecker
+    blocks as the solve with the step's factors (the same batch each step, no update: the
+    factors do not change), and leaves nothing to the optimizer."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+    precond = KFAC(model, damping=0.1, kl_clip=None, inverse_freq=10)
+    x, y = torch.randn(16, 4, dtype=dtype), torch.randint(0, 3, (16,))
+    frozen = [[], [model[0].bias], [model[0].bias, model[2].weight], []]
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    for step, parameters in enumerate(frozen):
+        for p in model.parameters():
+            p.requires_grad_(all(p is not q for q in parameters))
+        model.zero_grad(set_to_none=set_to_none)
+        F.cross_entropy(model(x), y).backward()
+        factors = kfac_by_hand(model)
+        raw = {p: p.grad.clone() for p in model.parameters() if p.requires_grad}
+        precond.step()
+        assert precond.left_to_optimizer == {}, step
+        for m in (model[0], model[2]):
+            if not m.weight.requires_grad:  # its bias: the damped diagonal
+                diagonal = precond.diagonals[(m, "bias")]
+                torch.testing.assert_close(m.bias.grad, raw[m.bias] / (diagonal + 0.1))
+                continue
+            a, g = (f.double() for f in factors[m])
+            grad = with_bias_column(raw[m.weight], m)
+            if m.bias.requires_grad:
+                grad[:, -1] = raw[m.bias]
+            big = torch.kron(g, a) + 0.1 * torch.eye(a.shape[0] * g.shape[0], dtype=a.dtype)
+            want = torch.linalg.solve(big, grad.double().reshape(-1)).reshape(grad.shape)
+            torch.testing.assert_close(m.weight.grad, want[:, :m.in_features].to(dtype),
+                                       **tolerance)
+            if m.bias.requires_grad:
+                torch.testing.assert_close(m.bias.grad, want[:, -1].to(dtype), **tolerance)
+    assert set(precond.factors) == {model[0], model[2]} and not precond.diagonals
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sparse_embedding_is_preconditioned_as_a_dense_one(dtype):
+    """``Embedding(sparse=True)``: its gradient preconditioned as the dense Embedding's, and
+    left sparse, as autograd gave it (the rows no token hit stay zero: ``A`` is diagonal)."""
+    def model_of(sparse: bool) -> nn.Module:
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(),
+                             nn.Linear(12, 3)).to(dtype)
+
+    tokens, y = torch.randint(0, 8, (6, 3)), torch.randint(0, 3, (6,))
+    grads = []
+    for sparse in (True, False):
+        model = model_of(sparse)
+        precond = KFAC(model)
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(model(tokens), y).backward()
+            precond.step()
+        assert model[0].weight.grad.is_sparse == sparse
+        grads.append([p.grad.to_dense() for p in model.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
+    assert not grads[0][0][8:].any()
+
+
 def test_skipped_parameters_keep_their_gradient_and_are_reported() -> None:
     """``unsupported="skip"``: the normalization layers keep their gradient, are listed in
     ``left_to_optimizer`` with the reason, and a warning says so once."""
