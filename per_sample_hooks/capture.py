@@ -53,7 +53,7 @@ class Call:
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "watched", "note", "hooks", "parameters", "recomputed", "outputs", "__weakref__")
+                 "watched", "note", "hooks", "values", "recomputed", "outputs", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -74,7 +74,7 @@ class Call:
         self.watched: list[list[Tensor]] = []
         self.note: object = None
         self.hooks: list[weakref.ref] = []
-        self.parameters: list[tuple[str, Tensor, int]] | None = None
+        self.values: list[tuple[str, str, Tensor, int]] | None = None
         self.recomputed = False  # recorded during a backward (activation checkpointing)
         self.outputs: list[tuple[Tensor, int] | None] | None = None
 
@@ -172,13 +172,15 @@ class Call:
         return [i for i, (a, v) in enumerate(zip(self.args, self.versions))
                 if v is not None and a._version != v]
 
-    def modified_parameter(self, module: nn.Module) -> str | None:
-        """The first of :attr:`parameters` (name, parameter, version at the forward, recorded
-        for a module whose rule reads their values) modified in place since the forward and
-        still ``module``'s (FSDP2 swaps in other tensors outside its forward), or None."""
-        for name, p, version in self.parameters or ():
-            if p._version != version and module.get_parameter(name) is p:
-                return name
+    def modified_value(self, module: nn.Module) -> tuple[str, str] | None:
+        """``(kind, name)`` of the first of :attr:`values` (``(kind, name, tensor, version at
+        the forward)``: the parameters of a module whose rule reads their values, the buffers
+        of every module) modified in place since the forward and still ``module``'s (FSDP2
+        swaps in other tensors outside its forward), or None."""
+        for kind, name, t, version in self.values or ():
+            if t._version != version and (module.get_parameter(name) if kind == "parameter"
+                                          else module.get_buffer(name)) is t:
+                return kind, name
         return None
 
 
@@ -642,9 +644,14 @@ class HookState:
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         call.recomputed = in_backward
-        if rule.needs_parameter_values and not compiling:
-            call.parameters = [(n, p, p._version)
-                               for n, p in owner.named_parameters(recurse=owner in self.units)]
+        if not compiling:  # the values a re-run or a rule reads: BatchNorm's running statistics
+            recurse = owner in self.units
+            values = [("parameter", n, p) for n, p in owner.named_parameters(recurse=recurse)
+                      ] if rule.needs_parameter_values else []
+            if owner._buffers or recurse:
+                values += [("buffer", n, b) for n, b in owner.named_buffers(recurse=recurse)]
+            if values:
+                call.values = [(kind, n, t, t._version) for kind, n, t in values]
         own_batch, expanded = None, False
         if status.batch is None:
             own_batch = self._batch_or_none(owner, call)

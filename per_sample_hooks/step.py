@@ -198,13 +198,17 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
                     "was modified in place after its forward; per-sample gradients would use "
                     "the modified values. Avoid the in-place op (e.g. inplace=False) or clone "
                     "the input")
-            modified = call.modified_parameter(module)
+            modified = call.modified_value(module)
             if modified is not None:
+                kind, changed = modified
+                cause, then = ("an optimizer's step", "the step") if kind == "parameter" else (
+                    "another forward, as BatchNorm's running statistics in training mode,",
+                    "that forward")
                 raise PerSampleHooksError(
-                    f"{caller}: parameter '{modified}' of '{name}' ({type(module).__name__}) "
-                    "was changed in place after the forward (an optimizer's step before "
-                    f"{caller}?). Its rule reads the parameters' values, so per-sample "
-                    f"gradients would use the new ones: call {caller} before the step")
+                    f"{caller}: {kind} '{changed}' of '{name}' ({type(module).__name__}) "
+                    f"was changed in place after the forward (by {cause} before {caller}?). Its "
+                    f"rule reads the {kind}s' values, so per-sample gradients would use the new "
+                    f"ones: call {caller} before {then}")
             if not call.has_grads:
                 continue
             # under torch.autocast a module sees lower-precision tensors than its parameters:

@@ -193,3 +193,35 @@ def test_an_optimizer_step_before_compute_is_refused_then_exact(verb, check_unse
     finally:
         psh.remove_hooks(model)
     assert_exact(model, x, check_unseen)
+
+
+@pytest.mark.parametrize("check_unseen", CHECKS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_running_statistics_changed_before_compute_are_refused_then_exact(check_unseen, dtype):
+    """BatchNorm in eval mode reads its running statistics: a forward in training mode between
+    the backward and ``compute_*`` (no grad: not recorded) updates them in place, so the
+    per-sample gradients would use the new ones. Refused on every step, naming the buffer (a
+    step the unseen-use check compares took it for a use outside the module; the others gave
+    wrong numbers silently); the next step, in the right order, is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    model.to(dtype)
+    with torch.no_grad():
+        model(torch.randn(32, 3, dtype=dtype))  # running statistics of their own
+    model.eval()
+    x = torch.randn(6, 3, dtype=dtype)
+    psh.add_hooks(model, check_unseen=check_unseen)
+    try:
+        for _ in range(3):  # the later steps are not compared by the default check
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            with torch.no_grad():
+                model.train()(torch.randn(32, 3, dtype=dtype) + 1)
+                model.eval()
+            with pytest.raises(psh.PerSampleHooksError,
+                               match=r"compute_grad1: buffer '\w+' of '1' \(BatchNorm1d\) was "
+                                     r"changed in place after the forward .* before that forward"):
+                psh.compute_grad1(model, loss_type="sum")
+    finally:
+        psh.remove_hooks(model)
+    assert_exact(model, x, check_unseen)
