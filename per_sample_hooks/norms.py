@@ -242,9 +242,13 @@ def _release_if_kept(layer: LayerWork, batch: int, keep: KeptGrads, shared: Cont
         call.release()
 
 
-def _grad_target(p: nn.Parameter) -> Tensor:
+def _grad_target(p: nn.Parameter, captured: set[int]) -> Tensor:
+    """``p.grad``, to write ``p``'s clipped sum into, or a new one when it is not a contiguous
+    tensor of ``p``'s dtype and shape, or shares its memory with a captured gradient
+    (``captured``: their storages' addresses) that later sums still read."""
     g = p.grad
-    if g is None or not g.is_contiguous() or g.dtype != p.dtype or g.shape != p.shape:
+    if g is None or not g.is_contiguous() or g.dtype != p.dtype or g.shape != p.shape or \
+            g.untyped_storage().data_ptr() in captured:
         g = torch.empty_like(p, memory_format=torch.contiguous_format)
         p.grad = g
     return g
@@ -349,9 +353,11 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
     # in an order that every rank follows (an empty batch's too)
+    captured = {t.untyped_storage().data_ptr() for w in step.layers for call in w.calls
+                for passes in (*call.grads, *call.watched) for t in passes}
     grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
                          step.batch_size if rows is None else rows.count, loss_type == "mean",
-                         _grad_target)
+                         partial(_grad_target, captured=captured))
     shared = shared_parameters(step)
     layers = step.layers
     sparse = [p for w in layers for p in w.parameters.values()  # Embedding(sparse=True)'s

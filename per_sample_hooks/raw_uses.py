@@ -407,10 +407,12 @@ class _Forward:
         watched."""
         views = {}
         for t in tracked:
-            padded = (1,) * (rank - t.dim()) + tuple(t.shape)
-            expanded = list(padded)
+            expanded = [1] * (rank - t.dim()) + list(t.shape)
             expanded[dim] = self.batch_size
-            view = t.reshape(padded).expand(expanded)
+            # expand, not a reshape then an expand: the reshape's backward would hand the
+            # parameter a view of the captured gradient at B = 1 (autograd keeps it as p.grad,
+            # which clip_grads then overwrites); the expand's sums or passes it on as it is
+            view = t.expand(expanded)
             views[id(t)] = view
             self.watched.append(view)
             self.record.sites.append(Site(self.tracked[id(t)][1], t.shape, dim))

@@ -153,6 +153,30 @@ def test_zeroed_grad_of_unreached_module_stays_zero():
     assert model["unused"].bias.grad is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_gradient_sharing_memory_with_a_captured_one_is_not_written_into(dtype):
+    """clip_grads writes each layer's clipped sum into its ``p.grad``, unless that shares its
+    memory with a captured gradient (a later sum still reads it): at B = 1 a bias's gradient
+    is the captured output gradient's only row, here handed to ``p.grad`` as a view of it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    x = torch.randn(1, 3, dtype=dtype)
+    total, _, grads = loop_norms(copy.deepcopy(model).double(), [x.double()], weighted_square,
+                                 "mean")
+    hooked_backward(model, [x])
+    state = psh.capture.get_state(model)
+    try:
+        for layer in (model[0], model[2]):
+            (captured,) = state.calls[layer][0].grads[0]
+            layer.bias.grad = captured[0]  # the same values, in the captured memory
+        psh.clip_grads(model, 0.5)
+    finally:
+        psh.remove_hooks(model)
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for n, want in loop_clipped(grads, total, 0.5, "mean").items():
+        torch.testing.assert_close(model.get_parameter(n).grad.double(), want, **tolerance)
+
+
 def test_without_backward_raises():
     model = nn.Linear(3, 2)
     psh.add_hooks(model)

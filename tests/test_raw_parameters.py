@@ -415,6 +415,48 @@ def test_grad1_norms_and_clipping_match_the_loop(case, loss_type, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_batch_of_one_leaves_the_gradients_apart(case, dtype):
+    """B = 1, where the expand of a raw parameter to the batch is the identity: after the
+    backward no ``p.grad`` shares memory with a captured gradient or another ``p.grad`` (a
+    reshape's backward handed the parameters views of the watched gradients: ``clip_grads``,
+    writing into ``p.grad``, overwrote what it read next, and ``clip_grad_norm_`` scaled
+    the shared memory twice), so both give what they give without hooks (the loop's
+    clipped mean for ``clip_grads``)."""
+    build, make_inputs = CASES[case]
+    torch.manual_seed(0)
+    model = build().to(dtype)
+    inputs = [x.to(dtype) for x in make_inputs(1)]
+    plain = copy.deepcopy(model)
+    losses_of(plain(*inputs)).mean().backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+    total, grads = truth(model, inputs)
+    with psh.add_hooks(model) as state:
+        for clip in ("torch", "psh"):
+            model.zero_grad(set_to_none=True)
+            losses_of(model(*inputs)).mean().backward()
+            memory = {t.untyped_storage().data_ptr() for calls in state.calls.values()
+                      for call in calls for passes in (*call.grads, *call.watched)
+                      for t in passes}
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    address = p.grad.untyped_storage().data_ptr()
+                    assert address not in memory, n
+                    memory.add(address)
+            if clip == "torch":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                for p, q in zip(model.parameters(), plain.parameters()):
+                    assert (p.grad is None) == (q.grad is None)
+                    if p.grad is not None:
+                        torch.testing.assert_close(p.grad, q.grad)
+                psh.clear_backprops(model)
+            else:
+                psh.clip_grads(model, 0.5)
+    assert_close({n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+                 loop_clipped(grads, total, 0.5, "mean"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen", "leaves",
                                   "linear_uses", "matmul_uses"])
 def test_dpsgd_steps_match_the_loop(case, dtype):
