@@ -175,8 +175,8 @@ class Call:
     def modified_value(self, module: nn.Module) -> tuple[str, str] | None:
         """``(kind, name)`` of the first of :attr:`values` (``(kind, name, tensor, version at
         the forward)``: the parameters of a module whose rule reads their values, the buffers
-        of every module) modified in place since the forward and still ``module``'s (FSDP2
-        swaps in other tensors outside its forward), or None."""
+        of every module in eval mode) modified in place since the forward and still
+        ``module``'s (FSDP2 swaps in other tensors outside its forward), or None."""
         for kind, name, t, version in self.values or ():
             if t._version != version and (module.get_parameter(name) if kind == "parameter"
                                           else module.get_buffer(name)) is t:
@@ -644,11 +644,12 @@ class HookState:
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         call.recomputed = in_backward
-        if not compiling:  # the values a re-run or a rule reads: BatchNorm's running statistics
+        if not compiling:  # the values a re-run or a rule reads
             recurse = owner in self.units
             values = [("parameter", n, p) for n, p in owner.named_parameters(recurse=recurse)
                       ] if rule.needs_parameter_values else []
-            if owner._buffers or recurse:
+            if (owner._buffers or recurse) and not owner.training:  # running statistics (in
+                # training mode BatchNorm is refused, InstanceNorm reads its own statistics)
                 values += [("buffer", n, b) for n, b in owner.named_buffers(recurse=recurse)]
             if values:
                 call.values = [(kind, n, t, t._version) for kind, n, t in values]
