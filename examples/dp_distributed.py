@@ -95,6 +95,7 @@ def main() -> None:
         if rank == 0:
             print(f"parameter checksum {total:.6f}", flush=True)
         dp.close()
+        dist.barrier()  # every rank done before the teardown: gloo aborts on a peer gone early
     finally:
         dist.destroy_process_group()
 
