@@ -200,8 +200,9 @@ def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
         if p.requires_grad and p.grad is not None and id(p) not in covered:
             raise PerSampleHooksError(
                 f"{caller}: parameter '{name}' received a gradient but belongs to no hooked "
-                "module, so it cannot be clipped per sample. Freeze it, or give its module a "
-                "rule (register_rule) before add_hooks")
+                "module, so it cannot be clipped per sample: it, or its module, was added to "
+                "the model after add_hooks. Hook the model again (remove_hooks(model), then "
+                "add_hooks(model)), or freeze it")
 
 
 def _captured(layer: LayerWork) -> int:

@@ -177,6 +177,33 @@ def test_a_gradient_sharing_memory_with_a_captured_one_is_not_written_into(dtype
         torch.testing.assert_close(model.get_parameter(n).grad.double(), want, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_layer_added_after_add_hooks_is_refused_until_hooked_again(dtype):
+    """A layer appended after ``add_hooks`` is not hooked: clip_grads refuses its gradient by
+    name and says to hook the model again; hooked again, the clipping is the loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh()).to(dtype)
+    x = torch.randn(5, 3, dtype=dtype)
+    psh.add_hooks(model)
+    model.append(nn.Linear(4, 2).to(dtype))
+    try:
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"parameter '2.weight' received a "
+                           r"gradient but belongs to no hooked module.*added to the model after "
+                           r"add_hooks. Hook the model again"):
+            psh.clip_grads(model, 0.5)
+        psh.remove_hooks(model)
+        total, _, grads = loop_norms(copy.deepcopy(model).double(), [x.double()],
+                                     weighted_square, "mean")
+        hooked_backward(model, [x])
+        psh.clip_grads(model, 0.5)
+    finally:
+        psh.remove_hooks(model)
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for n, want in loop_clipped(grads, total, 0.5, "mean").items():
+        torch.testing.assert_close(model.get_parameter(n).grad.double(), want, **tolerance)
+
+
 def test_without_backward_raises():
     model = nn.Linear(3, 2)
     psh.add_hooks(model)
