@@ -153,6 +153,15 @@ def test_zeroed_grad_of_unreached_module_stays_zero():
     assert model["unused"].bias.grad is None
 
 
+def assert_clipped_as_the_loop(model: nn.Module, grads: dict, total: torch.Tensor) -> None:
+    """Each ``p.grad`` the float64 loop's clipped mean (threshold 0.5), within float32's
+    rounding for a float32 model."""
+    float32 = next(model.parameters()).dtype == torch.float32
+    tolerance = dict(rtol=1e-5, atol=1e-6) if float32 else {}
+    for n, want in loop_clipped(grads, total, 0.5, "mean").items():
+        torch.testing.assert_close(model.get_parameter(n).grad.double(), want, **tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_gradient_sharing_memory_with_a_captured_one_is_not_written_into(dtype):
     """clip_grads writes each layer's clipped sum into its ``p.grad``, unless that shares its
@@ -172,9 +181,7 @@ def test_a_gradient_sharing_memory_with_a_captured_one_is_not_written_into(dtype
         psh.clip_grads(model, 0.5)
     finally:
         psh.remove_hooks(model)
-    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    for n, want in loop_clipped(grads, total, 0.5, "mean").items():
-        torch.testing.assert_close(model.get_parameter(n).grad.double(), want, **tolerance)
+    assert_clipped_as_the_loop(model, grads, total)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -199,9 +206,7 @@ def test_a_layer_added_after_add_hooks_is_refused_until_hooked_again(dtype):
         psh.clip_grads(model, 0.5)
     finally:
         psh.remove_hooks(model)
-    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    for n, want in loop_clipped(grads, total, 0.5, "mean").items():
-        torch.testing.assert_close(model.get_parameter(n).grad.double(), want, **tolerance)
+    assert_clipped_as_the_loop(model, grads, total)
 
 
 def test_without_backward_raises():
