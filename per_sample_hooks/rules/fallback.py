@@ -460,6 +460,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
             "whose forward vmap can batch (no branch on tensor values) are faster", stacklevel=2)
     return grads
 
+
 def _sample(value: object, dim: object, b: int) -> object:
     """Sample ``b`` of one argument as ``vmap`` hands it over with ``in_dims`` ``dim``."""
     if dim is None:
