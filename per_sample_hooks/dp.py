@@ -573,6 +573,60 @@ class DPSGD:
         self.output_edges.remove()
         self._noise.close()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming the run needs besides the model's and the optimizer's state dicts:
+        the steps taken, the accountant's state (the privacy spent so far), the adaptive
+        threshold, and the generators' states (the noise's; the sampling's, when ``generator``
+        was given), so that a run saved and resumed with :meth:`load_state_dict` steps as the
+        run would have (``torch.save``-able; ``torch.load(weights_only=True)`` loads it).
+        Between steps only: not while pieces of a batch are accumulated."""
+        if self._accumulated or self._pieces_left:
+            raise PerSampleHooksError(
+                "DPSGD.state_dict: a batch is under way (pieces accumulated, or more pieces "
+                "of it to come from batches()): save after the step() that ends it")
+        state: dict[str, Any] = {"steps": self.steps}
+        if self.accountant is not None:
+            if not callable(getattr(self.accountant, "state_dict", None)):
+                raise PerSampleHooksError(
+                    f"DPSGD.state_dict: the accountant ({type(self.accountant).__name__}) has "
+                    f"no state_dict(), so the privacy spent so far could not be restored; use "
+                    f"one of Opacus' accountants ('rdp', 'prv', 'gdp')")
+            state["accountant"] = self.accountant.state_dict()
+        if self.adaptive_clipping is not None:
+            state["max_grad_norm"] = self.thresholds.values[0]
+        noise_state = self._noise.generator_state()
+        if noise_state is not None:
+            state["noise_generator"] = noise_state
+        if self.generator is not None:
+            state["sampling_generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of a ``DPSGD`` built with the same arguments (the
+        noise multiplier may differ: the accountant's history holds each step's)."""
+        if self._accumulated or self._pieces_left:
+            raise PerSampleHooksError(
+                "DPSGD.load_state_dict: a batch is under way here: load before the first "
+                "batch, or after a step()")
+        for key, here, what in (
+                ("accountant", self.accountant is not None, "an accountant"),
+                ("max_grad_norm", self.adaptive_clipping is not None, "adaptive clipping"),
+                ("sampling_generator", self.generator is not None, "a generator")):
+            if (key in state) != here:
+                saved, built = ("with", "without") if key in state else ("without", "with")
+                raise PerSampleHooksError(
+                    f"DPSGD.load_state_dict: the state was saved by a DPSGD {saved} {what}, "
+                    f"this one was built {built}: build it as the saved one was")
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        if self.adaptive_clipping is not None:
+            self.thresholds = Thresholds((float(state["max_grad_norm"]),))
+        if "noise_generator" in state and self._noise.generator is not None:
+            self._noise.set_generator_state(state["noise_generator"])
+        if self.generator is not None:
+            self.generator.set_state(state["sampling_generator"])
+        self.steps = int(state["steps"])
+
     def epsilon(self, delta: float | None = None) -> float:
         """Privacy spent so far, ``epsilon`` at ``delta`` (by default ``target_delta``), from
         the accountant."""

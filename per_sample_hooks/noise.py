@@ -112,6 +112,7 @@ class GaussianNoise:
         self.buffers = FlatBuffers()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="psh-noise") if ahead else None
         self._ahead: Future[Flats] | None = None
+        self._state_before_ahead: Tensor | None = None
 
     def draw(self, like: Sequence[Tensor]) -> list[Tensor]:
         """``N(0, 1)`` views shaped like ``like``, valid until the next :meth:`draw`."""
@@ -126,7 +127,22 @@ class GaussianNoise:
         flats = self.buffers.flats
         if self._executor is not None and flats and all(
                 t.device.type == "cpu" for t in flats.values()):
+            if self.generator is not None:
+                self._state_before_ahead = self.generator.get_state()
             self._ahead = self._executor.submit(self._fill, flats)
+
+    def generator_state(self) -> Tensor | None:
+        """The generator's state that the next :meth:`draw` starts from (the state before a
+        draw made ahead); None with ``secure``."""
+        if self.generator is None:
+            return None
+        return self._state_before_ahead if self._ahead is not None else \
+            self.generator.get_state()
+
+    def set_generator_state(self, state: Tensor) -> None:
+        """Draw from ``state`` on (a draw made ahead is dropped)."""
+        self._wait()
+        self.generator.set_state(state)
 
     def close(self) -> None:
         """Wait for a draw under way and stop the thread."""

@@ -1,3 +1,4 @@
+import io
 import math
 
 import pytest
@@ -7,6 +8,7 @@ from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import loop_grads, seeded
+from per_sample_hooks.clipping import AdaptiveClipping
 from per_sample_hooks.dp import (
     DPSGD,
     fixed_size_batch,
@@ -714,3 +716,89 @@ def test_bad_budget_arguments(options, match):
     _, dp = _setup()
     with pytest.raises(ValueError, match="give delta"):
         dp.epsilon()
+
+
+def _resumable_run(dtype, seed=5, **options):
+    """A DPSGD run that momentum, noise, Poisson batches and the RDP accountant make depend on
+    every piece of state: 12 samples, expected batch 3 (4 steps an epoch)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5),
+               noise_multiplier=0.8, max_grad_norm=0.5, dataset_size=12, batch_size=3,
+               generator=seeded(seed), **options)
+    return model, dp
+
+
+def _epoch(model, dp, x):
+    for idx in dp.batches():
+        dp.zero_grad()
+        if len(idx):
+            dp.backward(model(x[idx]).pow(2).sum(1).mean())
+        dp.step()
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"noise_ahead": False},
+    {"adaptive_clipping": AdaptiveClipping(count_noise_multiplier=1.0)}],
+    ids=["noise ahead", "noise at the step", "adaptive clipping"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_run_saved_and_resumed_steps_as_one_run(dtype, options):
+    """Two epochs, saved (model, optimizer, DPSGD), loaded into a DPSGD built with other seeds,
+    one more epoch: the parameters, steps, threshold and epsilon of three epochs in one run."""
+    x = torch.randn(12, 6, dtype=dtype)
+    whole, dp_whole = _resumable_run(dtype, **options)
+    for _ in range(3):
+        _epoch(whole, dp_whole, x)
+    dp_whole.close()
+
+    model, dp = _resumable_run(dtype, **options)
+    for _ in range(2):
+        _epoch(model, dp, x)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": dp.optimizer.state_dict(),
+                "dp": dp.state_dict()}, saved)
+    dp.close()
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    resumed, dp_resumed = _resumable_run(dtype, seed=11, **options)
+    resumed.load_state_dict(state["model"])
+    dp_resumed.optimizer.load_state_dict(state["optimizer"])
+    dp_resumed.load_state_dict(state["dp"])
+    _epoch(resumed, dp_resumed, x)
+    dp_resumed.close()
+
+    assert dp_resumed.steps == dp_whole.steps == 12
+    assert dp_resumed.epsilon(1e-5) == dp_whole.epsilon(1e-5)
+    assert dp_resumed.max_grad_norm == pytest.approx(dp_whole.max_grad_norm, rel=1e-5)
+    for got, expected in zip(resumed.parameters(), whole.parameters()):
+        torch.testing.assert_close(got, expected)
+
+
+def test_saving_mid_batch_or_into_another_kind_of_dpsgd_is_refused():
+    """state_dict between the pieces of a batch, an accountant without state_dict, and a state
+    loaded into a DPSGD built without what it saved: refused, saying what to do."""
+    x = torch.randn(12, 6, dtype=torch.double)
+    model, dp = _resumable_run(torch.double)
+    dp.zero_grad()
+    dp.backward(model(x[:2]).pow(2).sum(1).mean())
+    dp.accumulate()  # a first piece of a batch
+    with pytest.raises(psh.PerSampleHooksError, match="a batch is under way"):
+        dp.state_dict()
+    dp.close()
+
+    model, dp = _resumable_run(torch.double, accountant=RecordingAccountant())
+    with pytest.raises(psh.PerSampleHooksError,
+                       match=r"accountant \(RecordingAccountant\) has no state_dict"):
+        dp.state_dict()
+    dp.close()
+
+    model, dp = _resumable_run(torch.double)
+    _epoch(model, dp, x)
+    state = dp.state_dict()
+    dp.close()
+    model, unaccounted = _resumable_run(torch.double, accountant=None)
+    with pytest.raises(psh.PerSampleHooksError,
+                       match="saved by a DPSGD with an accountant, this one was built without"):
+        unaccounted.load_state_dict(state)
+    assert unaccounted.steps == 0  # refused before anything was loaded
+    unaccounted.close()
