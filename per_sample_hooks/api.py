@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -134,8 +135,9 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     genuinely separate batch of 1) would see ``B`` rows: pass ``broadcast=False`` (the call is
     then refused, its batch size disagreeing).
 
-    A module none of whose parameters is trainable (frozen) records nothing: no input or output
-    gradient held (unless its rule observes it anyway, BatchNorm's batch statistics).
+    A module none of whose parameters is trainable (frozen) is hooked all the same and records
+    nothing: no input or output gradient held (unless its rule observes it anyway, BatchNorm's
+    batch statistics), until its parameters are unfrozen.
 
     Returns the model's hook state, also a context manager: ``with add_hooks(model): ...``
     removes the hooks on exit. Calling it again on a hooked model returns the same state.
@@ -185,14 +187,18 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             rule = None
         has_parameters = next(module.parameters(recurse=False), None) is not None
         if rule is None:
-            if not (trainable_parameters(module) or module in forced or _frozen_parent(module)):
+            # frozen parameters of its own, nothing trainable below: hooked all the same, as
+            # a layer with a rule is, recording nothing until they are unfrozen (a peft
+            # adapter's scale vector, frozen while another adapter is active)
+            frozen = has_parameters and not (trainable_parameters(module) or _frozen_parent(module))
+            if not (has_parameters or module in forced) or frozen and not fallback:
                 continue
             if module not in forced and _has_children(module):
                 rule = raw_parameter_rule  # its raw parameters' uses followed, children hooked
-                followed.append(module)
+                followed += [] if frozen else [module]
             elif module not in forced and fallback:
                 rule = raw_uses_or_fallback_rule  # followed where it can be, else re-run
-                followed.append(module)
+                followed += [] if frozen else [module]
             else:
                 if not fallback:
                     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -223,7 +229,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
                       lambda module, call: rules[module].batch_size(module, call), broadcast)
     state.gradient_copies = {m for m, rule in rules.items() if rule.aliases_output_gradient(m)}
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
-        watching = rule.watch(module, modules[module][1], state.capturing)
+        watching = rule.watch(module, modules[module][1], partial(state.captures_now, module))
         if watching is not None:
             state.watchers[module], handles = watching
             state.handles += handles

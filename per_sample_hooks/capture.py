@@ -722,6 +722,11 @@ class HookState:
                 return True
         return False
 
+    def captures_now(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` beginning now is recorded (:meth:`capturing`,
+        :meth:`captures`)."""
+        return self.capturing() and self.captures(module)
+
     def _batch_or_none(self, module: nn.Module, call: Call) -> int | None:
         try:
             return self.batch_of(module, call)

@@ -180,9 +180,9 @@ def clipping_coefficients(norms: Tensor, max_grad_norm: float) -> Tensor:
     return (max_grad_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
 
 
-def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
-    """Every parameter that backward gave a gradient must be one we can clip."""
-    covered = {id(p) for layer in step.layers for p in layer.parameters.values()}
+def _check_coverage(step: Step, caller: str) -> None:
+    """Every parameter that backward gave a gradient must be one we can clip (one of no hooked
+    module: refused by ``prepare_step``)."""
     # (a parameter of several modules, BART's word embeddings: seen if one of them was called)
     reached = {id(p) for layer in step.layers if layer.calls for p in layer.parameters.values()}
     for layer in step.layers:
@@ -196,13 +196,6 @@ def _check_coverage(model: nn.Module, step: Step, caller: str) -> None:
                     "parameter is used outside its module's forward (its per-sample gradients "
                     "cannot be seen), or its .grad is left over from an earlier step (call "
                     "optimizer.zero_grad() before the forward)")
-    for name, p in model.named_parameters():
-        if p.requires_grad and p.grad is not None and id(p) not in covered:
-            raise PerSampleHooksError(
-                f"{caller}: parameter '{name}' received a gradient but belongs to no hooked "
-                "module, so it cannot be clipped per sample: it, or its module, was added to "
-                "the model after add_hooks. Hook the model again (remove_hooks(model), then "
-                "add_hooks(model)), or freeze it")
 
 
 def _captured(layer: LayerWork) -> int:
@@ -350,7 +343,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
                         "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads")
-    _check_coverage(model, step, "clip_grads")
+    _check_coverage(step, "clip_grads")
     rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
     # in an order that every rank follows (an empty batch's too)

@@ -218,6 +218,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             sizes.setdefault(rule.batch_size(module, call), name)
             with_grads.append(call)
         layers.append(LayerWork(module, name, rule, with_grads, params, frozen))
+    _refuse_unhooked_parameters(state, caller)
     if not sizes:
         raise PerSampleHooksError(
             f"{caller}: no output gradient was captured since the hooks were added or last "
@@ -253,6 +254,21 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale)
+
+
+def _refuse_unhooked_parameters(state: HookState, caller: str) -> None:
+    """Every trainable parameter of the model belongs to a hooked module (a unit: below it),
+    else its per-sample gradients would be missing from every quantity, unseen."""
+    hooked = {id(p) for module in state.modules
+              for p in module.parameters(recurse=module in state.units)}
+    model = state.model
+    for name, p in model.named_parameters() if model is not None else ():
+        if p.requires_grad and id(p) not in hooked:
+            raise PerSampleHooksError(
+                f"{caller}: trainable parameter '{name}' belongs to no hooked module, so its "
+                "per-sample gradients cannot be seen: it, or its module, was added to the model "
+                "after add_hooks. Hook the model again (remove_hooks(model), then "
+                "add_hooks(model)), or freeze it")
 
 
 def merged_batch_hint(name: str, size: int, batch: int | None) -> str | None:

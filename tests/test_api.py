@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, sum_of_outputs
+from ground_truth import (
+    assert_matches_loop,
+    loop_grads,
+    loop_tolerance,
+    sum_of_outputs,
+    weighted_square,
+)
 from per_sample_hooks.capture import STATE_ATTRIBUTE
 from per_sample_hooks.dp import DPSGD, OutputEdges
 
@@ -729,6 +735,50 @@ def test_frozen_modules_record_nothing_until_unfrozen():
     with pytest.raises(psh.PerSampleHooksError, match="batch statistics"):
         psh.compute_grad1(model)
     psh.remove_hooks(model)
+
+
+class LearnedScale(nn.Module):
+    """A learned scale: parameters of its own, no rule, no children (a peft adapter's DoRA
+    magnitude vector)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_module_frozen_at_add_hooks_without_a_rule_is_exact_once_unfrozen(dtype):
+    """Frozen when add_hooks ran and unfrozen later (peft's set_adapter flips DoRA magnitudes),
+    a learned scale (no rule: its raw uses followed) records nothing while frozen, and once
+    unfrozen its grad1 and the norms are the loop's. Before, it was not hooked: it had no grad1
+    and compute_norms silently lacked its term."""
+    torch.manual_seed(0)
+    middle = LearnedScale(4)
+    model = nn.Sequential(nn.Linear(3, 4), middle, nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    x = torch.randn(5, 3, dtype=dtype)
+    middle.requires_grad_(False)
+    state = psh.add_hooks(model)
+    try:
+        weighted_square(model(x)).mean().backward()
+        assert not state.calls[middle]
+        psh.compute_grad1(model)
+        middle.requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(x)).mean().backward()
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    assert got.keys() == expected.keys()
+    for name, grads in expected.items():
+        torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
+    total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms.double(), total, **loop_tolerance(dtype))
 
 
 class HalvedShift(AffineRule):

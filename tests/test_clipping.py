@@ -1,5 +1,6 @@
 import copy
 from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
@@ -186,19 +187,23 @@ def test_a_gradient_sharing_memory_with_a_captured_one_is_not_written_into(dtype
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_layer_added_after_add_hooks_is_refused_until_hooked_again(dtype):
-    """A layer appended after ``add_hooks`` is not hooked: clip_grads refuses its gradient by
-    name and says to hook the model again; hooked again, the clipping is the loop's."""
+    """A layer appended after ``add_hooks`` is not hooked: clip_grads (and every compute_*)
+    refuses its parameter by name and says to hook the model again; hooked again, the
+    clipping is the loop's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh()).to(dtype)
     x = torch.randn(5, 3, dtype=dtype)
     psh.add_hooks(model)
     model.append(nn.Linear(4, 2).to(dtype))
     try:
-        weighted_square(model(x)).mean().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"parameter '2.weight' received a "
-                           r"gradient but belongs to no hooked module.*added to the model after "
-                           r"add_hooks. Hook the model again"):
-            psh.clip_grads(model, 0.5)
+        for refused in (partial(psh.clip_grads, max_grad_norm=0.5), psh.compute_norms,
+                        psh.compute_grad1):
+            weighted_square(model(x)).mean().backward()
+            with pytest.raises(psh.PerSampleHooksError, match=r"parameter '2.weight' belongs "
+                               r"to no hooked module.*added to the model after add_hooks. Hook "
+                               r"the model again"):
+                refused(model)
+            model.zero_grad()
         psh.remove_hooks(model)
         total, _, grads = loop_norms(copy.deepcopy(model).double(), [x.double()],
                                      weighted_square, "mean")
