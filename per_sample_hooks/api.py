@@ -11,7 +11,14 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from .capture import STATE_ATTRIBUTE, HookState, get_state, live_states, unwrap
+from .capture import (
+    STATE_ATTRIBUTE,
+    HookState,
+    ModelCallHook,
+    get_state,
+    live_states,
+    unwrap,
+)
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .quantities import KeptGrads
 from .reparametrized import reparametrization
@@ -56,18 +63,24 @@ BatchDims = int | Mapping[nn.Module | str, int]
 def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, nn.Module], int]:
     """``batch_dim`` as ``(qualified name, module) -> int``: an int for every module, or a
     mapping from modules or qualified names ("" is the model) to the batch dim of that module
-    and its descendants (the deepest entry wins; modules under no entry: 0)."""
-    if isinstance(batch_dim, int):
-        return lambda name, module: batch_dim
+    and its descendants (the deepest entry wins; modules under no entry: 0). The children of
+    a sequence-first ``nn.TransformerEncoderLayer`` / ``DecoderLayer``: 1, unless named."""
     names = {m: n for n, m in model.named_modules()}
     table: dict[str, int] = {}
-    for key, dim in batch_dim.items():
+    for key, dim in ({"": batch_dim} if isinstance(batch_dim, int) else batch_dim).items():
         name = names.get(key) if isinstance(key, nn.Module) else key
         if name is None or name not in names.values():
             raise ValueError(f"add_hooks: batch_dim names {key!r}, which is not a submodule of "
                              f"{type(model).__name__}; use a module or a name from "
                              "model.named_modules()")
         table[name] = dim
+    # the children of torch's sequence-first transformer layers see [S, B, E] (batch_first=False)
+    # whatever the model's batch dim (an entry naming a child wins)
+    for module, name in names.items():
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and \
+                not module.self_attn.batch_first:
+            for child, _ in module.named_children():
+                table.setdefault(f"{name}.{child}" if name else child, 1)
 
     def lookup(name: str, module: nn.Module) -> int:
         parts = name.split(".") if name else []
@@ -162,6 +175,14 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     state = model.__dict__.get(STATE_ATTRIBUTE)
     if state is not None:
         return state
+    compiled = [n or type(model).__name__ for n, m in model.named_modules()
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise PerSampleHooksError(
+            f"add_hooks: {compiled[0]!r} was compiled in place (module.compile()) before "
+            "add_hooks: its compiled code would not run hooks added later (torch._dynamo does "
+            "not guard on module hooks), and its layers' per-sample gradients would be missing. "
+            "Hook the model first, then compile: add_hooks(model); model.compile()")
     dim_of = _batch_dim_lookup(model, batch_dim)
     forced = _resolve_units(model, units)
     modules, rules, unit_modules, owners, followed = {}, {}, set(), {}, []
@@ -227,6 +248,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call), broadcast)
+    state.handles.append(model.register_forward_pre_hook(ModelCallHook(state, dim_of("", model)),
+                                                         with_kwargs=True))
     state.gradient_copies = {m for m, rule in rules.items() if rule.aliases_output_gradient(m)}
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
         watching = rule.watch(module, modules[module][1], partial(state.captures_now, module))
@@ -241,7 +264,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
 
 
 def _resolve_units(model: nn.Module, units: Iterable[nn.Module | str]) -> set[nn.Module]:
-    named = dict(model.named_modules())
+    # the model by its class name too: messages name it so ("'LearnedH0' (LearnedH0)")
+    named = {type(model).__name__: model, **dict(model.named_modules())}
     resolved = set()
     for unit in units:
         module = named.get(unit) if isinstance(unit, str) else unit

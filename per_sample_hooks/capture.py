@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import PerSampleHooksError
@@ -420,13 +421,38 @@ class BroadcastOutput(Tensor):
                 raise broadcast_misuse_error("", module, _op_name(func),
                                              f"failed ({error})") from error
         name = _op_name(func)
-        if not name.startswith("new_"):  # (factories: not derived from the view)
-            for view in views:
+        if not name.startswith("new_") and name != "_base":  # (factories: not derived from
+            for view in views:  # the view; _base: torch.compile's tracing reads it)
                 module, dim, batch, status = view.expanded
-                if any(isinstance(t, Tensor) and (t.dim() <= dim or t.shape[dim] != batch)
-                       for t in tree_flatten(result)[0]):
+                if _picks_batch_rows(name, args, kwargs, view, dim) or any(
+                        isinstance(t, Tensor) and (t.dim() <= dim or t.shape[dim] != batch)
+                        for t in tree_flatten(result)[0]):
                     status.broadcast_misuse = status.broadcast_misuse or (module, name)
         return result
+
+
+def _picks_batch_rows(name: str, args: tuple, kwargs: dict, view: Tensor, dim: int) -> bool:
+    """Whether an indexing op on ``view`` (its first argument) selects along its batch dim
+    ``dim``: ``view[0]``, ``view[idx]``, ``view.select(dim, 0)``: the samples' gradients would
+    reach the rows picked, whatever the result's shape (it may be ``B`` by chance: ``T == B``)."""
+    if not args or args[0] is not view:
+        return False
+    if name == "__getitem__":
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        position = 0
+        for item in index:
+            if item is Ellipsis:
+                return dim >= position  # (after an Ellipsis the positions are not counted)
+            if item is None:
+                continue
+            if position == dim:
+                return not (isinstance(item, slice) and item == slice(None))
+            position += 1
+        return False
+    if name in ("select", "index_select", "narrow", "unbind", "take_along_dim", "gather"):
+        picked = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        return isinstance(picked, int) and picked % view.dim() == dim
+    return False
 
 
 def _op_name(func: Callable) -> str:
@@ -589,6 +615,11 @@ class HookState:
         # during a compute_* call that gives the modules whose rules read parameter values their
         # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
         self.sharded_of: dict[int, Tensor] | None = None
+        # samples in the inputs of the model's last call with grad enabled, at its batch dim
+        # (None: its tensor inputs disagree there, or it has none), and the sizes of all
+        # their dims (ModelCallHook)
+        self.model_batch: int | None = None
+        self.model_sizes: set[int] = set()
         self.handles: list[Any] = []
         # a call recorded during a backward received a gradient: the model uses reentrant
         # activation checkpointing, through which no backward to given inputs can run
@@ -822,6 +853,29 @@ class ForwardHook:
         if self.state is not None:
             return self.state.forward_hook(self.owner, module, args, kwargs, output)
         return None
+
+
+class ModelCallHook:
+    """The forward pre-hook of the hooked model itself: notes how many samples it was called
+    with and its inputs' sizes (:attr:`HookState.model_batch`, ``model_sizes``), to compare
+    with the rows its hooked layers see."""
+
+    __slots__ = ("state", "batch_dim")
+
+    def __init__(self, state: HookState, batch_dim: int):
+        self.state: HookState | None = state
+        self.batch_dim = batch_dim
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        state = self.state
+        if state is not None and state.enabled and torch.is_grad_enabled():
+            if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+                state.model_batch = None  # its data's dim 0 counts tokens
+                return
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            at_dim = {t.shape[self.batch_dim] for t in tensors if t.dim() > self.batch_dim}
+            state.model_batch = at_dim.pop() if len(at_dim) == 1 else None
+            state.model_sizes = {size for t in tensors for size in t.shape}
 
 
 def _count_freed(counter: list[int], _: weakref.ref) -> None:

@@ -149,7 +149,8 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     ``groups``: the norms of groups of rows instead, ``[count]``, each group's gradient the
     mean of its rows' (see :func:`clip_grads`).
     """
-    state, step = prepare_step(model, loss_type, "compute_norms")
+    state, step = prepare_step(model, loss_type, "compute_norms",
+                               grouped=groups is not None)
     rows = None if groups is None else row_groups(groups, step.batch_size, "compute_norms")
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
@@ -342,7 +343,8 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     # then the caller
     limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
                         "clip_grads")
-    state, step = prepare_step(model, loss_type, "clip_grads")
+    state, step = prepare_step(model, loss_type, "clip_grads",
+                               grouped=groups is not None)
     _check_coverage(step, "clip_grads")
     rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,

@@ -111,13 +111,15 @@ def reparametrized_since_hooks(state: HookState, module: nn.Module,
         known is not None and not known.issuperset(params)))
 
 
-def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
-    """Check what was captured and pair each hooked module with its rule and calls.
+def prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool = False
+                 ) -> tuple[HookState, Step]:
+    """Check what was captured and pair each hooked module with its rule and calls
+    (``grouped``: the caller groups the rows into samples, ``groups=``).
 
     A refused step that had a backward is over, as a computed one is: the next forward starts
     a new step (else it would count as a second micro-batch of the refused one)."""
     try:
-        return _prepare_step(model, loss_type, caller)
+        return _prepare_step(model, loss_type, caller, grouped)
     except Exception:
         state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
         if state is not None and state.status.backward_seen:
@@ -125,7 +127,7 @@ def prepare_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[Ho
         raise
 
 
-def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
+def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool
                   ) -> tuple[HookState, Step]:
     if loss_type not in ("mean", "sum"):
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
@@ -251,9 +253,42 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str
             "to layer: each stack, units=['encoder', 'decoder']) one unit of the torch.func "
             "fallback, add_hooks(model, units=[...])" + ("" if hint is None else f". {hint}"))
     batch_size = next(iter(sizes))
+    if not grouped:
+        _refuse_rows_that_are_not_samples(state.model_batch, state.model_sizes, batch_size,
+                                          sizes[batch_size], caller)
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale)
+
+
+def _refuse_rows_that_are_not_samples(samples: int | None, input_sizes: set[int], rows: int,
+                                      name: str, caller: str) -> None:
+    """Refuse a step whose hooked layers saw ``rows`` rows where the model was called with
+    ``samples`` samples, when each sample became several rows (a multiple-choice head's
+    ``[B, C, T] -> [B * C, T]``) or all shared one (a soft prompt computed once, repeated
+    over the batch): the rows would be taken as the samples. Rows counted by some dim of the
+    model's inputs (``input_sizes``: a sequence-first input, whose batch is not at the dim
+    ``add_hooks`` was given) and other mismatches are left alone."""
+    if not samples or rows in input_sizes:
+        return
+    if rows == 1:
+        raise PerSampleHooksError(
+            f"{caller}: the model was called with {samples} samples, but the hooked layers "
+            f"that received gradients ('{name}'...) saw 1 row: a computation shared by the "
+            "samples and repeated over the batch (a soft prompt, as peft's prompt tuning and "
+            "P-tuning compute it), with the layers that see the batch frozen. Its per-sample "
+            "gradients are not those of one row: make a module that holds it and the ops "
+            "that meet the batch one unit of the torch.func fallback (add_hooks(model, "
+            "units=[...]); the whole model: units=['']), or compute it from the batch")
+    if rows % samples == 0:
+        raise PerSampleHooksError(
+            f"{caller}: the model was called with {samples} samples, but its hooked layers "
+            f"('{name}'...) saw {rows} rows, {rows // samples} per sample: the model turns each "
+            "sample into several rows before any hooked layer (a multiple-choice head's "
+            "[B, C, T] -> [B * C, T]), and each row would be taken as a sample. Pass "
+            f"groups={rows // samples} to compute_norms / clip_grads / DPSGD.step (each "
+            "sample's rows, consecutive, as one group), or add_hooks(model, batch_dim=...) "
+            "if the batch is not dim 0 of the model's inputs")
 
 
 def _refuse_unhooked_parameters(state: HookState, caller: str) -> None:

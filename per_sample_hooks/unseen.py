@@ -535,7 +535,8 @@ def project(t: Tensor, probe: Probe) -> Tensor:
 
 
 def _norm(t: Tensor) -> Tensor:
-    return torch.linalg.vector_norm(t)
+    """In float64: a float32 gradient's entries below about 1e-19 square to 0 in float32."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64)
 
 
 def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call], name: str,

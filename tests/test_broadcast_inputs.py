@@ -186,7 +186,8 @@ def test_a_batch_one_call_on_an_input_with_a_gradient_is_left_and_refused(dtype)
 class BiasTable(nn.Module):
     """Swinv2's continuous position bias: an MLP on a coordinates buffer ``[1, K, 2]`` whose
     output is not broadcast over the batch but used as a table, reshaped to rows and indexed
-    (``reshape``), or one row picked (``select``), or written in place (``in-place``: Swinv2's
+    (``reshape``), or one row picked (``select``; with as many samples as the 4 positions
+    picked, the result's shape cannot tell), or written in place (``in-place``: Swinv2's
     ``ReLU(inplace=True)``). Expanded over the batch, every sample's rows would be sample 0's
     copy: refused."""
 
@@ -202,20 +203,23 @@ class BiasTable(nn.Module):
         table = self.mlp(self.coords)
         if self.use == "in-place":
             table = table.relu_()
-        bias = table[0, :4] if self.use == "select" else table.reshape(-1, 3)[self.index]
+        bias = table[0, :4] if self.use.startswith("select") else \
+            table.reshape(-1, 3)[self.index]
         return h + bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("use", ["reshape", "select", "in-place"])
+@pytest.mark.parametrize("use", ["reshape", "select", "select, 4 samples", "in-place"])
 def test_an_expanded_output_used_otherwise_than_broadcast_is_refused(use, dtype):
     """Refused naming the module, the op and units= (at compute_* where the op ran on the view,
     in the forward where it could not); the next step is refused the same way, not poisoned;
     with the model one unit, exact against the float64 loop."""
     torch.manual_seed(0)
-    model, x = BiasTable(use).to(dtype), torch.randn(6, 4, 3, dtype=dtype)
-    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 6)
-    op = {"reshape": "reshape", "select": "__getitem__", "in-place": "relu_"}[use]
+    batch = 4 if use == "select, 4 samples" else 6
+    model, x = BiasTable(use).to(dtype), torch.randn(batch, 4, 3, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, batch)
+    op = "__getitem__" if use.startswith("select") else \
+        {"reshape": "reshape", "in-place": "relu_"}[use]
     with psh.add_hooks(model, check_unseen="always"):
         for _ in range(2):
             with pytest.raises(psh.PerSampleHooksError, match=rf"'mlp' was called with batch "

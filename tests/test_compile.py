@@ -13,6 +13,7 @@ on the CI machine); ``PSH_COMPILE_BACKEND=inductor`` runs the same tests with in
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -87,6 +88,47 @@ def test_add_hooks_on_a_compiled_module_is_refused():
                        r"compiled = torch.compile\(model\)"):
         psh.add_hooks(compiled)
     assert not any(m._forward_hooks for m in compiled.modules())
+
+
+def test_add_hooks_on_a_model_with_a_block_compiled_in_place_is_refused():
+    """``module.compile()`` (in place, no wrapper) on a block before add_hooks: refused naming
+    the block (before: its layers' grad1 were zeros with check_unseen=False, or a misleading
+    refusal)."""
+    net = model()
+    net[0].compile(backend=BACKEND)
+    with pytest.raises(psh.PerSampleHooksError, match=r"add_hooks: '0' was compiled in place "
+                       r"\(module.compile\(\)\) before add_hooks.*add_hooks\(model\); "
+                       r"model.compile\(\)"):
+        psh.add_hooks(net)
+    assert not any(m._forward_hooks for m in net.modules())
+
+
+class Positions(nn.Module):
+    """GPT-2's position embeddings: ids ``[1, T]``, the output broadcast over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(7, 4), nn.Embedding(8, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])[None]))
+
+
+def test_broadcast_positions_compiled_are_exact():
+    """Hooked, then compiled: the position embeddings' expanded output is exact on the steps
+    that trace (torch._dynamo reads the view's ``_base``, which was taken for a use that drops
+    the batch dim: every tracing step was refused)."""
+    torch.manual_seed(0)
+    net = Positions().double()
+    ids = torch.randint(0, 7, (4, 5))
+    expected = loop_grads(copy.deepcopy(net), [ids], lambda out: out.square().sum((1, 2)), 4)
+    psh.add_hooks(net)
+    compiled = torch.compile(net, backend=BACKEND)
+    compiled(ids).square().sum((1, 2)).mean().backward()
+    psh.compute_grad1(net)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.grad1, expected[name], rtol=1e-9, atol=1e-11)
+    psh.remove_hooks(net)
 
 
 def test_compiled_attention_recomputed_exact():

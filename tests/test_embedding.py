@@ -391,3 +391,19 @@ def test_no_token_per_sample(case, dtype):
                                        **tolerance)
     finally:
         psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_a_last_offset_short_of_the_input_is_refused(mode, dtype):
+    """``include_last_offset=True`` with offsets ending before the input's end: the tokens after
+    it are in no bag by torch's documentation, in the last by its CPU kernel. Refused, naming
+    the layer (before: mode sum silently dropped them from the per-sample gradients, mode mean
+    was refused blaming a rule)."""
+    bag = nn.EmbeddingBag(7, 3, mode=mode, include_last_offset=True).to(dtype)
+    indices, offsets = torch.tensor([1, 2, 4, 5, 6, 3]), torch.tensor([0, 2, 4])
+    with psh.add_hooks(bag):
+        bag(indices, offsets).square().sum(1).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'EmbeddingBag' \(EmbeddingBag, "
+                           r"include_last_offset=True\) got offsets ending at 4 for 6 indices"):
+            psh.compute_grad1(bag)

@@ -18,7 +18,13 @@ from norms_truth import assert_float32_matches, loop_clipped, loop_norms
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, loop_grads_of, weighted_square
+from ground_truth import (
+    assert_matches_loop,
+    loop_grads,
+    loop_grads_of,
+    loop_tolerance,
+    weighted_square,
+)
 from per_sample_hooks.dp import DPSGD
 from per_sample_hooks.rules.linear import LinearRule
 
@@ -1008,3 +1014,36 @@ def test_linear_uses_under_autocast():
         autocast_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), 5)
     assert all(got[n].dtype == torch.float32 for n in expected)
     assert_within_precision(got, expected, autocast_loop, AUTOCAST_RTOL)
+
+
+class LearnedInitialState(nn.Module):
+    """A raw parameter of the model itself passed to its LSTM (a learned ``h0``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+        self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+
+    def forward(self, x):
+        h0 = self.h0.expand(-1, x.shape[0], -1).contiguous()
+        return self.head(self.lstm(x, (h0, torch.zeros_like(h0)))[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_refusals_advice_for_the_model_itself_works(dtype):
+    """The refusal names the model by its class, ``units=['LearnedInitialState']``; followed
+    as written, exact against the loop (before: "not a submodule")."""
+    torch.manual_seed(0)
+    model, x = LearnedInitialState().to(dtype), torch.randn(4, 5, 3, dtype=dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError,
+                           match=r"units=\['LearnedInitialState'\]"):
+            psh.compute_grad1(model)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 4)
+    with psh.add_hooks(model, units=["LearnedInitialState"]):
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))

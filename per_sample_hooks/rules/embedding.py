@@ -167,7 +167,16 @@ class EmbeddingBagRule(RowsRule):
     def check(self, module: nn.EmbeddingBag, calls: Sequence[Call], name: str) -> None:
         refuse_frequency_scaling(module, name)
         for call in calls:
-            if bag_arguments(call)[0].dim() == 1 and call.batch_dim != 0:
+            indices, offsets, _ = bag_arguments(call)
+            if indices.dim() == 1 and call.batch_dim != 0:
                 raise PerSampleHooksError(
                     f"'{name}' (EmbeddingBag) got a 1-D input with offsets and batch_dim="
                     f"{call.batch_dim}: with offsets each bag is a sample (batch_dim 0)")
+            if indices.dim() == 1 and module.include_last_offset and len(offsets) and \
+                    int(offsets[-1]) != len(indices):
+                raise PerSampleHooksError(
+                    f"'{name}' (EmbeddingBag, include_last_offset=True) got offsets ending at "
+                    f"{int(offsets[-1])} for {len(indices)} indices: torch's documentation "
+                    "requires the last offset to be the input's length, and which bag the "
+                    "tokens after it belong to is not defined (the CPU kernel adds them to the "
+                    "last bag). End the offsets with len(input)")

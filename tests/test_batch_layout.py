@@ -1,0 +1,140 @@
+"""Where the samples are: layouts whose shapes agree by chance (a sequence as long as the batch),
+rows that are not samples (a multiple-choice head's ``[B * C, T]``, a soft prompt computed once
+and repeated over the batch), each against the float64 per-sample loop."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import per_sample_hooks as psh
+from ground_truth import loop_grads, loop_tolerance, weighted_square
+
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [5, 4])
+def test_a_sequence_first_transformer_layer_is_exact_whatever_its_length(length, dtype):
+    """``nn.TransformerEncoderLayer(batch_first=False)`` under the default ``batch_dim=0``: its
+    linear and norm children see ``[S, B, E]`` and get batch dim 1. Before, S != B was refused
+    and S == B gave their per-position gradients as the samples'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0)).to(dtype)
+    x = torch.randn(length, 4, 4, dtype=dtype)  # [S, B, E], B = 4
+
+    def loss(out):  # per-sample losses [B] of a sequence-first output
+        return weighted_square(out.transpose(0, 1))
+    with psh.add_hooks(model):
+        loss(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], loss, 4, batch_dim=1)
+    for name, grads in expected.items():
+        torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
+
+
+class MultipleChoice(nn.Module):
+    """transformers' ``*ForMultipleChoice``: ``[B, C, T]`` choices flattened to ``[B * C, T]``
+    rows before any layer, a score per row, the scores of a sample's choices as its logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.score = nn.Embedding(11, 6), nn.Linear(6, 1)
+
+    def forward(self, ids):
+        rows = self.embed(ids.flatten(0, 1)).tanh().mean(1)  # [B * C, 6]
+        return self.score(rows).view(ids.shape[0], ids.shape[1])  # [B, C]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_several_per_sample_are_refused_and_exact_as_groups(dtype):
+    """A multiple-choice model: every compute_* refuses to take the ``B * C`` rows as samples
+    and names ``groups=C``; clip_grads with ``groups=3`` is the loop's clipped mean. Before,
+    the 12 rows were taken as 12 samples (clipped per choice: the DP bound broken)."""
+    torch.manual_seed(0)
+    model = MultipleChoice().to(dtype)
+    ids = torch.randint(0, 11, (4, 3, 5))
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 4)
+    norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    factors = (0.3 / (norms + 1e-6)).clamp(max=1.0)
+    with psh.add_hooks(model):
+        for refused in (psh.compute_grad1, psh.compute_norms, psh.compute_kfac):
+            model.zero_grad(set_to_none=True)
+            weighted_square(model(ids)).mean().backward()
+            with pytest.raises(psh.PerSampleHooksError, match=r"called with 4 samples, but its "
+                               r"hooked layers .* saw 12 rows, 3 per sample.*groups=3"):
+                refused(model)
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(ids)).mean().backward()
+        got = psh.clip_grads(model, 0.3, groups=3)
+    torch.testing.assert_close(got.double(), norms, **loop_tolerance(dtype))
+    for name, p in model.named_parameters():
+        clipped = torch.einsum("b,b...->...", factors, expected[name]) / 4
+        torch.testing.assert_close(p.grad.double(), clipped, **loop_tolerance(dtype))
+
+
+class SoftPrompt(nn.Module):
+    """peft's prompt tuning: the prompt computed once (``[1, P, d]``) and repeated over the
+    batch; the layers that see the batch are frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(20, 4).requires_grad_(False)
+        self.prompt = nn.Embedding(3, 4)
+        self.head = nn.Linear(4, 5).requires_grad_(False)
+
+    def forward(self, ids):
+        prompt = self.prompt(torch.arange(3)[None]).repeat(ids.shape[0], 1, 1)
+        return self.head(torch.cat([prompt, self.tokens(ids)], 1).tanh()).mean(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_computation_repeated_over_the_batch_is_refused_and_exact_as_a_unit(dtype):
+    """The only recorded layer saw one row for 4 samples: refused, naming units; the whole model
+    as one unit is the loop's. Before, the batch's gradient was returned as one sample's."""
+    torch.manual_seed(0)
+    model = SoftPrompt().to(dtype)
+    ids = torch.randint(0, 20, (4, 5))
+    with psh.add_hooks(model):
+        weighted_square(model(ids)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"called with 4 samples, but the "
+                           r"hooked layers that received gradients \('prompt'...\) saw 1 row.*"
+                           r"units=\[''\]"):
+            psh.compute_norms(model)
+    with psh.add_hooks(model, units=[""]):
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(ids)).mean().backward()
+        psh.compute_grad1(model)
+        got = model.prompt.weight.grad1.double()
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 4)
+    torch.testing.assert_close(got, expected["prompt.weight"], **loop_tolerance(dtype))
+
+
+def test_float32_gradients_too_small_to_square_are_checked_without_a_false_refusal():
+    """transformers' MobileNetV2 at random init, eval mode, float32: gradients about 1e-31,
+    whose squares underflow float32. The check's norms were 0, so rounding could not explain
+    the smallest gap and every step was refused ("differs by 8e+270%"); they are taken in
+    float64, and grad1 is the loop's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MobileNetV2Config(image_size=8, depth_multiplier=0.25, num_labels=3,
+                                            classifier_dropout_prob=0.0)
+    model = transformers.MobileNetV2ForImageClassification(config).eval()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 2, 0])
+
+    def losses(out):
+        return nn.functional.cross_entropy(out.logits, y[:len(out.logits)], reduction="none")
+    with psh.add_hooks(model, check_unseen="always"):
+        losses(model(pixel_values=x)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    reference = copy.deepcopy(model).double()
+    expected = {n: torch.stack([torch.autograd.grad(
+        nn.functional.cross_entropy(reference(pixel_values=x[i:i + 1].double()).logits,
+                                    y[i:i + 1]), p)[0] for i in range(4)])
+        for n, p in reference.named_parameters()}
+    for name, grads in expected.items():
+        scale = grads.abs().max()
+        torch.testing.assert_close(got[name] / scale, grads / scale, rtol=0, atol=1e-4)
