@@ -216,10 +216,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
                 continue
             if module not in forced and _has_children(module):
                 rule = raw_parameter_rule  # its raw parameters' uses followed, children hooked
-                followed += [] if frozen else [module]
             elif module not in forced and fallback:
                 rule = raw_uses_or_fallback_rule  # followed where it can be, else re-run
-                followed += [] if frozen else [module]
             else:
                 if not fallback:
                     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -232,6 +230,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
                 rule = fallback_rule
                 unit_modules.add(module)
                 inside.update(module.modules())
+            if rule is not fallback_rule and not frozen:
+                followed.append(module)
         elif rule.covers_children:  # a unit with a rule of its own
             inside.update(module.modules())
             if next(module.parameters(), None) is None and not rule.observe_without_parameters:

@@ -440,16 +440,21 @@ def _picks_batch_rows(name: str, args: tuple, kwargs: dict, view: Tensor, dim: i
     if name == "__getitem__":
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         position = 0
-        for item in index:
-            if item is Ellipsis:
-                return dim >= position  # (after an Ellipsis the positions are not counted)
+        for k, item in enumerate(index):
+            if item is Ellipsis:  # the items after it index the last dims
+                rest = [i for i in index[k + 1:] if i is not None]
+                position = view.dim() - len(rest)
+                if dim < position:
+                    return False
+                item = rest[dim - position]
+                return not (isinstance(item, slice) and item == slice(None))
             if item is None:
                 continue
             if position == dim:
                 return not (isinstance(item, slice) and item == slice(None))
             position += 1
         return False
-    if name in ("select", "index_select", "narrow", "unbind", "take_along_dim", "gather"):
+    if name in ("select", "index_select", "narrow", "unbind", "gather"):
         picked = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         return isinstance(picked, int) and picked % view.dim() == dim
     return False
