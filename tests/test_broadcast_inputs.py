@@ -232,3 +232,42 @@ def test_an_expanded_output_used_otherwise_than_broadcast_is_refused(use, dtype)
         psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+class SlicedPositions(nn.Module):
+    """Positions from ids ``[1, T]`` sliced before they meet the batch: along the positions or
+    features (the batch dim kept, exact) or at the batch dim (``[0, ...]``: refused)."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.tokens, self.positions = nn.Embedding(7, 4), nn.Embedding(8, 4)
+
+    def forward(self, ids):
+        tokens = self.tokens(ids)
+        positions = self.positions(torch.arange(ids.shape[1])[None])[self.index]
+        return tokens[:, :positions.shape[-2]] + positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("index", [(slice(None), slice(None, 3)),
+                                   (Ellipsis, slice(None, 3), slice(None)),
+                                   (0,)],
+                         ids=["[:, :3]", "[..., :3, :]", "[0]"])
+def test_slices_of_an_expanded_output_keep_or_pick_the_batch(index, dtype):
+    """At T == B (4 positions, 4 samples), where shapes cannot tell: slices that keep the batch
+    dim are exact against the loop, a pick at the batch dim (``[0]``: ``[T, d]``, as many rows
+    as samples) is refused."""
+    torch.manual_seed(0)
+    model, ids = SlicedPositions(index).to(dtype), torch.randint(0, 7, (4, 4))
+    with psh.add_hooks(model):
+        weighted_square(model(ids)).mean().backward()
+        if index[0] == 0:
+            with pytest.raises(psh.PerSampleHooksError, match=r"'positions' .*__getitem__"):
+                psh.compute_grad1(model)
+            return
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 4)
+    for name, grads in expected.items():
+        torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
