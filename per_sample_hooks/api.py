@@ -248,8 +248,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call), broadcast)
-    state.handles.append(model.register_forward_pre_hook(ModelCallHook(state, dim_of("", model)),
-                                                         with_kwargs=True))
+    state.model_batch_dim = dim_of("", model)
+    state.handles.append(model.register_forward_pre_hook(ModelCallHook(state), with_kwargs=True))
     state.gradient_copies = {m for m, rule in rules.items() if rule.aliases_output_gradient(m)}
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
         watching = rule.watch(module, modules[module][1], partial(state.captures_now, module))

@@ -620,11 +620,13 @@ class HookState:
         # during a compute_* call that gives the modules whose rules read parameter values their
         # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
         self.sharded_of: dict[int, Tensor] | None = None
-        # samples in the inputs of the model's last call with grad enabled, at its batch dim
-        # (None: its tensor inputs disagree there, or it has none), and the sizes of all
-        # their dims (ModelCallHook)
-        self.model_batch: int | None = None
-        self.model_sizes: set[int] = set()
+        # the shapes of the tensor inputs of the model's last call with grad enabled, and
+        # their batch dim (ModelCallHook; None: a PackedSequence, whose dim 0 counts tokens)
+        self.model_input_shapes: list[torch.Size] | None = None
+        self.model_batch_dim = 0
+        # ids of the parameters of the hooked modules (a unit's: below it too), kept until a
+        # trainable parameter is not among them (step.py)
+        self.hooked_parameter_ids: set[int] = set()
         self.handles: list[Any] = []
         # a call recorded during a backward received a gradient: the model uses reentrant
         # activation checkpointing, through which no backward to given inputs can run
@@ -861,26 +863,26 @@ class ForwardHook:
 
 
 class ModelCallHook:
-    """The forward pre-hook of the hooked model itself: notes how many samples it was called
-    with and its inputs' sizes (:attr:`HookState.model_batch`, ``model_sizes``), to compare
-    with the rows its hooked layers see."""
+    """The forward pre-hook of the hooked model itself: notes the shapes of its tensor inputs
+    (:attr:`HookState.model_input_shapes`), to compare the samples it was called with and the
+    rows its hooked layers see."""
 
-    __slots__ = ("state", "batch_dim")
+    __slots__ = ("state",)
 
-    def __init__(self, state: HookState, batch_dim: int):
+    def __init__(self, state: HookState):
         self.state: HookState | None = state
-        self.batch_dim = batch_dim
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         state = self.state
-        if state is not None and state.enabled and torch.is_grad_enabled():
-            if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
-                state.model_batch = None  # its data's dim 0 counts tokens
-                return
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-            at_dim = {t.shape[self.batch_dim] for t in tensors if t.dim() > self.batch_dim}
-            state.model_batch = at_dim.pop() if len(at_dim) == 1 else None
-            state.model_sizes = {size for t in tensors for size in t.shape}
+        if state is None or not state.enabled or not torch.is_grad_enabled():
+            return
+        if not kwargs and all(type(a) is Tensor for a in args):  # the common call, cheaply
+            state.model_input_shapes = [a.shape for a in args]
+        elif any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+            state.model_input_shapes = None
+        else:
+            state.model_input_shapes = [t.shape for t in tree_flatten((args, kwargs))[0]
+                                        if isinstance(t, Tensor)]
 
 
 def _count_freed(counter: list[int], _: weakref.ref) -> None:

@@ -254,22 +254,27 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "fallback, add_hooks(model, units=[...])" + ("" if hint is None else f". {hint}"))
     batch_size = next(iter(sizes))
     if not grouped:
-        _refuse_rows_that_are_not_samples(state.model_batch, state.model_sizes, batch_size,
-                                          sizes[batch_size], caller)
+        _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
+                                          batch_size, sizes[batch_size], caller)
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale)
 
 
-def _refuse_rows_that_are_not_samples(samples: int | None, input_sizes: set[int], rows: int,
-                                      name: str, caller: str) -> None:
+def _refuse_rows_that_are_not_samples(shapes: list[torch.Size] | None, batch_dim: int,
+                                      rows: int, name: str, caller: str) -> None:
     """Refuse a step whose hooked layers saw ``rows`` rows where the model was called with
-    ``samples`` samples, when each sample became several rows (a multiple-choice head's
-    ``[B, C, T] -> [B * C, T]``) or all shared one (a soft prompt computed once, repeated
-    over the batch): the rows would be taken as the samples. Rows counted by some dim of the
-    model's inputs (``input_sizes``: a sequence-first input, whose batch is not at the dim
-    ``add_hooks`` was given) and other mismatches are left alone."""
-    if not samples or rows in input_sizes:
+    ``samples`` samples (the size its tensor inputs of ``shapes`` share at ``batch_dim``), when
+    each sample became several rows (a multiple-choice head's ``[B, C, T] -> [B * C, T]``) or
+    all shared one (a soft prompt computed once, repeated over the batch): the rows would be
+    taken as the samples. Rows counted by some dim of the model's inputs (a sequence-first
+    input, whose batch is not at the dim ``add_hooks`` was given) and other mismatches are
+    left alone."""
+    if not shapes or any(rows in shape for shape in shapes):
+        return
+    at_dim = {shape[batch_dim] for shape in shapes if len(shape) > batch_dim}
+    samples = at_dim.pop() if len(at_dim) == 1 else None
+    if not samples:
         return
     if rows == 1:
         raise PerSampleHooksError(
@@ -294,10 +299,14 @@ def _refuse_rows_that_are_not_samples(samples: int | None, input_sizes: set[int]
 def _refuse_unhooked_parameters(state: HookState, caller: str) -> None:
     """Every trainable parameter of the model belongs to a hooked module (a unit: below it),
     else its per-sample gradients would be missing from every quantity, unseen."""
-    hooked = {id(p) for module in state.modules
-              for p in module.parameters(recurse=module in state.units)}
     model = state.model
-    for name, p in model.named_parameters() if model is not None else ():
+    if model is None or all(id(p) in state.hooked_parameter_ids or not p.requires_grad
+                            for p in model.parameters()):
+        return
+    state.hooked_parameter_ids = hooked = {  # (a parameter replaced since: looked up again)
+        id(p) for module in state.modules for p in module.parameters(
+            recurse=module in state.units)}
+    for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in hooked:
             raise PerSampleHooksError(
                 f"{caller}: trainable parameter '{name}' belongs to no hooked module, so its "
