@@ -438,26 +438,23 @@ def _picks_batch_rows(name: str, args: tuple, kwargs: dict, view: Tensor, dim: i
     if not args or args[0] is not view:
         return False
     if name == "__getitem__":
-        index = args[1] if isinstance(args[1], tuple) else (args[1],)
-        position = 0
-        for k, item in enumerate(index):
-            if item is Ellipsis:  # the items after it index the last dims
-                rest = [i for i in index[k + 1:] if i is not None]
-                position = view.dim() - len(rest)
-                if dim < position:
-                    return False
-                item = rest[dim - position]
-                return not (isinstance(item, slice) and item == slice(None))
-            if item is None:
-                continue
-            if position == dim:
-                return not (isinstance(item, slice) and item == slice(None))
-            position += 1
-        return False
+        item = _indexing(args[1], view.dim(), dim)
+        return not (isinstance(item, slice) and item == slice(None))
     if name in ("select", "index_select", "narrow", "unbind", "gather"):
         picked = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         return isinstance(picked, int) and picked % view.dim() == dim
     return False
+
+
+def _indexing(index: object, ndim: int, dim: int) -> object:
+    """What ``t[index]`` puts at dim ``dim`` of an ``ndim``-dim ``t`` (``slice(None)``: all of
+    it); an Ellipsis stands for the dims the items around it do not index."""
+    items = [i for i in (index if isinstance(index, tuple) else (index,)) if i is not None]
+    ellipsis = next((k for k, i in enumerate(items) if i is Ellipsis), None)
+    if ellipsis is not None:
+        before, after = items[:ellipsis], items[ellipsis + 1:]
+        items = [*before, *[slice(None)] * (ndim - len(before) - len(after)), *after]
+    return items[dim] if dim < len(items) else slice(None)
 
 
 def _op_name(func: Callable) -> str:
