@@ -856,3 +856,74 @@ def test_a_unit_called_with_no_tensor_is_refused_naming_it(dtype):
         psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+class MergedForTheForward(nn.Module):
+    """Merges a low-rank update into its frozen weight for each forward and takes it out again
+    by replacing the parameter, as peft's LoRA on ``MultiheadAttention`` does, and counts its
+    calls in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4).requires_grad_(False)
+        self.down, self.up = nn.Parameter(torch.randn(2, 4)), nn.Parameter(torch.randn(4, 2))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        delta = self.up @ self.down
+        merged = self.base.weight.detach() + delta
+        del self.base.weight
+        self.base.weight = merged
+        y = self.base(x)
+        del self.base.weight
+        self.base.weight = nn.Parameter(merged.detach() - delta.detach(), requires_grad=False)
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_re_run_leaves_the_units_parameters_and_buffers_as_they_were(dtype):
+    """The fallback's re-run of a unit whose forward replaces its frozen weight and counts its
+    calls in a buffer: exact against the loop, and after it the weight and the count are those
+    the step's own forward left (the re-run used to leave the weight it computed under vmap,
+    and a count of one more per re-run)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MergedForTheForward(), nn.Linear(4, 2)).to(dtype)
+    x = torch.randn(5, 4, dtype=dtype)
+    reference = copy.deepcopy(model)
+    weighted_square(reference(x)).mean()
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    with psh.add_hooks(model, units=["0"]):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad1.double(), expected[n],
+                                           **loop_tolerance(dtype))
+    for (n, kept), (_, before) in zip(model.state_dict().items(),
+                                      reference.state_dict().items()):
+        assert torch.equal(kept, before), n
+
+
+class Decaying(nn.Module):
+    """Changes a frozen parameter in place in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.mul_(0.5)
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_that_changes_a_parameter_in_place_is_refused_naming_it(dtype):
+    model = nn.Sequential(Decaying(), nn.Linear(4, 2)).to(dtype)
+    with psh.add_hooks(model, units=["0"]):
+        model(torch.randn(3, 4, dtype=dtype)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"Decaying: its forward changes its "
+                           r"parameter 'scale' in place"):
+            psh.compute_grad1(model)

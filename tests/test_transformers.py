@@ -16,9 +16,10 @@ import pytest
 import torch
 from norms_truth import loop_clipped
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 import per_sample_hooks as psh
-from ground_truth import seeded
+from ground_truth import loop_tolerance, seeded
 
 transformers = pytest.importorskip("transformers")
 
@@ -645,3 +646,53 @@ def test_mixture_of_experts_blocks_as_units_are_exact(family, implementation, dt
     total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
     torch.testing.assert_close(norms.double(), total, **tolerances(dtype, family))
     assert_rows_close(clipped, loop_clipped(expected, total, 0.5, "mean"), dtype, family)
+
+
+class AttentionClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(torch.tanh(self.attn(h, h, h, need_weights=False)[0]).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_peft_lora_on_multihead_attention_as_a_unit(dtype) -> None:
+    """peft's LoRA on ``nn.MultiheadAttention`` merges the adapter into new frozen weights for
+    each forward and takes it out again. As a unit (the advice of its refusal without one) it is
+    exact against the float64 loop, and the re-run leaves the frozen weights as the step's own
+    forward did (it used to refuse, after changing them by up to 0.4)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(AttentionClassifier(),
+                                    peft.LoraConfig(r=2, target_modules=["attn"])).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    ids, labels = torch.randint(0, 40, (3, 5), generator=seeded(1)), torch.tensor([0, 2, 1])
+    reference = copy.deepcopy(model)
+    twin = copy.deepcopy(model).double()
+    trainable = {n: p for n, p in twin.named_parameters() if p.requires_grad}
+    rows = [torch.autograd.grad(F.cross_entropy(twin(ids[i:i + 1]), labels[i:i + 1]),
+                                list(trainable.values())) for i in range(3)]
+    expected = {n: torch.stack([row[k] for row in rows]) for k, n in enumerate(trainable)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference(ids)
+        with psh.add_hooks(model, units=["base_model.model.attn"]):
+            F.cross_entropy(model(ids), labels).backward()
+            psh.compute_grad1(model)
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    torch.testing.assert_close(p.grad1.double(), expected[name],
+                                               **loop_tolerance(dtype))
+    for (name, kept), (_, before) in zip(model.state_dict().items(),
+                                         reference.state_dict().items()):
+        assert torch.equal(kept, before), name

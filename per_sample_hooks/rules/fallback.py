@@ -349,6 +349,40 @@ class FallbackRule(Rule):
 
 
 @contextlib.contextmanager
+def state_kept(module: nn.Module) -> Iterator[None]:
+    """The unit's parameters and buffers as they were before a re-run, whatever its forward does
+    to them: re-registers them (peft's LoRA on ``MultiheadAttention`` merges its weights into
+    new parameters and back in every forward) or updates a buffer in place (copied back). A
+    parameter changed in place cannot be restored: refused."""
+    saved = [(sub, dict(sub._parameters), dict(sub._buffers), set(vars(sub)))
+             for sub in module.modules()]
+    versions = [(sub, name, p, p._version) for sub, parameters, _, _ in saved
+                for name, p in parameters.items() if p is not None]
+    copies = [(b, b._version, b.clone()) for _, _, buffers, _ in saved
+              for b in buffers.values() if b is not None]
+    try:
+        yield
+    finally:
+        for sub, parameters, buffers, attributes in saved:
+            for name in (set(vars(sub)) - attributes) & (parameters.keys() | buffers.keys()):
+                delattr(sub, name)
+            sub._parameters.clear()
+            sub._parameters.update(parameters)
+            sub._buffers.clear()
+            sub._buffers.update(buffers)
+        with torch.no_grad():
+            for buffer, version, copy in copies:
+                if buffer._version != version:
+                    buffer.copy_(copy)
+    for sub, name, parameter, version in versions:
+        if parameter._version != version:
+            raise PerSampleHooksError(
+                f"{type(sub).__name__}: its forward changes its parameter {name!r} in place; "
+                "the torch.func fallback re-runs that forward and cannot restore the value. "
+                "Give the module a rule, or change the parameter outside its forward")
+
+
+@contextlib.contextmanager
 def without_cudnn(off: bool = True) -> Iterator[None]:
     """cuDNN off (if ``off``), the user's other cuDNN flags kept: for the re-run of a unit with
     recurrent layers, since cuDNN's RNN has no batching rule for ``torch.func.vmap``, takes no
@@ -399,8 +433,9 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     trainable = {n: params[n].detach() for n in names}
 
     def outputs(args: Sequence, kwargs: dict, weights: dict[str, Tensor]) -> list[Tensor]:
-        output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
-                                            {**kwargs, **rerun_kwargs})
+        with state_kept(module):
+            output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
+                                                {**kwargs, **rerun_kwargs})
         leaves = tree_flatten(output)[0]
         return [leaves[j] for j in out_leaves]
 
