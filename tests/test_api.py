@@ -805,3 +805,24 @@ def test_a_user_rule_whose_rows_do_not_sum_to_the_gradient_is_refused_in_float64
             psh.compute_grad1(model)
     finally:
         psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_autograd_grad_over_every_parameter_and_a_restricted_backward(dtype):
+    """``torch.autograd.grad(loss, params)`` (no ``.grad`` written) gives the ``grad1`` of
+    ``loss.backward()``, exact against the loop, norms and checks included. A backward
+    restricted to the last layer (``inputs=``) never reaches the first: its rows are zeros, as
+    the README says (the hooks cannot tell it from an output the loss does not use)."""
+    model, x = mlp().to(dtype), torch.randn(6, 5, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 6)
+    with psh.add_hooks(model, check_unseen="always"):
+        torch.autograd.grad(weighted_square(model(x)).mean(), list(model.parameters()))
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            assert p.grad is None
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+        weighted_square(model(x)).mean().backward(inputs=[model[2].weight])
+        psh.compute_grad1(model)
+        assert model[0].weight.grad is None and not model[0].weight.grad1.any()
+        torch.testing.assert_close(model[2].weight.grad1.double(), expected["2.weight"],
+                                   **loop_tolerance(dtype))
