@@ -32,7 +32,7 @@ from .rules.base import describes_forms, written_grad1
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
-from .unseen import N_PROBES, HookedSums
+from .unseen import N_PROBES, HookedSums, holder_of
 
 LossType = Literal["mean", "sum"]
 
@@ -222,9 +222,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         layers.append(LayerWork(module, name, rule, with_grads, params, frozen))
     _refuse_unhooked_parameters(state, caller)
     if not sizes:
-        raise PerSampleHooksError(
-            f"{caller}: no output gradient was captured since the hooks were added or last "
-            "cleared. Run the forward pass with grad enabled and loss.backward() first")
+        raise _no_gradient_captured(state, caller)
     if len(sizes) > 1:
         seen = ", ".join(f"{size} (at '{name}')" for size, name in sizes.items())
         shared = status.shared_computation
@@ -294,6 +292,26 @@ def _refuse_rows_that_are_not_samples(shapes: list[torch.Size] | None, batch_dim
             f"groups={rows // samples} to compute_norms / clip_grads / DPSGD.step (each "
             "sample's rows, consecutive, as one group), or add_hooks(model, batch_dim=...) "
             "if the batch is not dim 0 of the model's inputs")
+
+
+def _no_gradient_captured(state: HookState, caller: str) -> PerSampleHooksError:
+    """No hooked output received a gradient: no backward, or one that reached the trainable
+    parameters only through uses outside their modules' forwards (named, with a unit)."""
+    model = state.model
+    reached = [] if model is None else [
+        name for name, p in model.named_parameters() if p.requires_grad and p.grad is not None]
+    if not reached:
+        return PerSampleHooksError(
+            f"{caller}: no output gradient was captured since the hooks were added or last "
+            "cleared. Run the forward pass with grad enabled and loss.backward() first")
+    units = sorted({holder_of(model, name) for name in reached})
+    return PerSampleHooksError(
+        f"{caller}: autograd gave trainable parameters a gradient ({', '.join(reached[:4])}"
+        f"{', ...' if len(reached) > 4 else ''}), yet no hooked module's output received one: "
+        "they are used outside the forward of the module that owns them (peft's IA3, LoHa, "
+        "VeRA and similar adapters read them in the forward of the layer that holds them). "
+        "Let the torch.func fallback handle the modules that use them as units: "
+        f"add_hooks(model, units={units})")
 
 
 def _refuse_unhooked_parameters(state: HookState, caller: str) -> None:

@@ -388,7 +388,7 @@ class UnseenUseCheck:
         (:meth:`rounding_explains`)."""
         if self.changed_early:
             key = self.changed_early[0]
-            raise_unseen(self.owners[key], users.get(key, ()), None)
+            raise_unseen(self.owners[key], users.get(key, ()), None, model=self._state.model)
         if not self.totals:  # nothing to compare (no parameter gradient): stays due
             return
         self.compared = True
@@ -414,7 +414,7 @@ class UnseenUseCheck:
                                           float(bounds[i]), users.get(key, ())):
                 fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
                 raise_unseen(self.owners[key], users.get(key, ()), fraction,
-                             key in self.taken_unnoted)
+                             key in self.taken_unnoted, self._state.model)
         self.schedule.checked_one(captured_structure(self._state),
                                   seconds + self.hook_seconds + time.perf_counter() - start)
 
@@ -577,8 +577,23 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
     return total
 
 
+def holder_of(model: nn.Module | None, name: str) -> str:
+    """The module whose forward most likely uses parameter ``name`` (a path in ``model``)
+    outside its own module's forward: the one that holds that module (for peft's IA3, the layer
+    that reads its ``ia3_l`` ``ParameterDict``), ``ModuleList`` s and ``ModuleDict`` s skipped;
+    ``''`` for the model itself."""
+    owner = name.rpartition(".")[0]
+    if ".parametrizations." in f".{owner}.":  # the parametrized module owns it
+        owner = f".{owner}".partition(".parametrizations.")[0][1:]
+    path = owner.rpartition(".")[0]
+    while path and model is not None and \
+            isinstance(model.get_submodule(path), (nn.ModuleList, nn.ModuleDict)):
+        path = path.rpartition(".")[0]
+    return path
+
+
 def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
-                 taken_unnoted: bool = False) -> None:
+                 taken_unnoted: bool = False, model: nn.Module | None = None) -> None:
     """``fraction``: the gap relative to the gradient; None for a gradient that autograd
     accumulated in place before any hooked output's (:meth:`UnseenUseCheck._arm`);
     ``taken_unnoted``: the parameter's ``.grad`` was taken as the step's own without a note
@@ -593,8 +608,9 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
         f"{owners}, for example `h @ {name}.t()` or `F.linear(x, {name})`; its per-sample "
         "gradients would miss that term. Route the use through a module (call a module that "
         "holds the parameter, e.g. an nn.Linear whose weight is tied to it), or let the "
-        "torch.func fallback handle the module whose forward makes that use as one unit: "
-        "add_hooks(model, units=['<module name>'])" + (
+        "torch.func fallback handle the module whose forward makes that use as one unit "
+        f"(likely the one that holds it: add_hooks(model, units=['{holder_of(model, name)}']))"
+        + (
             ". Or its .grad held a gradient kept from before this step, which the check took "
             "as this step's (every step it had noted began without one): the next step is "
             "checked from its start" if taken_unnoted else ""))

@@ -1,6 +1,8 @@
 """Parameter uses that no hook sees are reported, never silently missed; no false positives."""
+import ast
 import contextlib
 import copy
+import re
 from unittest import mock
 
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, loop_grads, seeded
+from ground_truth import assert_matches_loop, loop_grads, loop_tolerance, seeded
 from per_sample_hooks.capture import get_state
 from per_sample_hooks.rules.attention import MultiheadAttentionRule, captured
 from per_sample_hooks.unseen import recompute_gradient
@@ -374,3 +376,60 @@ def test_badly_scaled_attention_still_reports_an_unseen_use():
         with pytest.raises(psh.PerSampleHooksError,
                            match=r"'blocks\.3\.self_attn\.in_proj_weight' has a gradient term"):
             psh.compute_grad1(model)
+
+
+class ScaledByADict(nn.Module):
+    """peft's IA3: a frozen layer's output scaled by a vector this module reads from its
+    ``ParameterDict`` (never called)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4).requires_grad_(False)
+        self.scales = nn.ParameterDict({"default": nn.Parameter(torch.randn(4))})
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) * self.scales["default"])
+
+
+class Chain(nn.ModuleList):
+    def forward(self, x):
+        for block in self:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("head_trainable", [False, True])
+def test_parameters_read_by_the_layer_that_holds_them_are_refused_with_the_units(
+        head_trainable, dtype):
+    """Without a trainable module of their own the step has no hooked output gradient; with
+    one the check sees their gradient unseen. Either refusal names the parameters and the
+    layers that read them as units (not a placeholder), and those units are exact against
+    the float64 loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([ScaledByADict(), ScaledByADict()]), nn.Linear(4, 2))
+    model[0].__class__ = Chain
+    model[1].requires_grad_(head_trainable)
+    model.to(dtype)
+    x = torch.randn(5, 4, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()],
+                          lambda out: out.square().sum(1), 5)
+    pattern = (r"parameter '0\.(\d)\.scales\.default' has a gradient term that no hook sees"
+               if head_trainable else r"autograd gave trainable parameters a gradient "
+               r"\(0\.0\.scales\.default, 0\.1\.scales\.default\), yet no hooked module's output")
+    with psh.add_hooks(model):
+        model(x).square().sum(1).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=pattern) as refusal:
+            psh.compute_grad1(model)
+    units = ast.literal_eval(str(refusal.value).rpartition("units=")[2].rstrip(")"))
+    assert units == ([f"0.{re.search(pattern, str(refusal.value)).group(1)}"] if head_trainable
+                     else ["0.0", "0.1"])
+    units = ["0.0", "0.1"]
+    model.zero_grad(set_to_none=True)
+    with psh.add_hooks(model, units=units):
+        model(x).square().sum(1).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad1.double(), expected[n],
+                                           **loop_tolerance(dtype))
