@@ -617,9 +617,9 @@ class HookState:
         # during a compute_* call that gives the modules whose rules read parameter values their
         # full values (FSDP2): id(full stand-in) -> the sharded parameter it stands in for
         self.sharded_of: dict[int, Tensor] | None = None
-        # the shapes of the tensor inputs of the model's last call with grad enabled, and
-        # their batch dim (ModelCallHook; None: a PackedSequence, whose dim 0 counts tokens)
-        self.model_input_shapes: list[torch.Size] | None = None
+        # the shapes of the tensor inputs of the model's calls with grad enabled in this step,
+        # and their batch dim (ModelCallHook; None: a PackedSequence, whose dim 0 counts tokens)
+        self.model_input_shapes: set[torch.Size] | None = set()
         self.model_batch_dim = 0
         # ids of the parameters of the hooked modules (a unit's: below it too), kept until a
         # trainable parameter is not among them (step.py)
@@ -861,8 +861,8 @@ class ForwardHook:
 
 class ModelCallHook:
     """The forward pre-hook of the hooked model itself: notes the shapes of its tensor inputs
-    (:attr:`HookState.model_input_shapes`), to compare the samples it was called with and the
-    rows its hooked layers see."""
+    in the step's calls (:attr:`HookState.model_input_shapes`), to compare the samples it was
+    called with and the rows its hooked layers see. Not a unit's re-run of the whole model."""
 
     __slots__ = ("state",)
 
@@ -871,15 +871,21 @@ class ModelCallHook:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         state = self.state
-        if state is None or not state.enabled or not torch.is_grad_enabled():
+        if state is None or not state.enabled or not torch.is_grad_enabled() or \
+                _not_recorded_here(torch.compiler.is_compiling()):  # (a unit's re-run)
+            return
+        if state.status.consumed:  # this call starts a step (its first hooked forward will)
+            state.model_input_shapes = set()
+        shapes = state.model_input_shapes
+        if shapes is None:
             return
         if not kwargs and all(type(a) is Tensor for a in args):  # the common call, cheaply
-            state.model_input_shapes = [a.shape for a in args]
+            shapes.update(a.shape for a in args)
         elif any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
             state.model_input_shapes = None
         else:
-            state.model_input_shapes = [t.shape for t in tree_flatten((args, kwargs))[0]
-                                        if isinstance(t, Tensor)]
+            shapes.update(t.shape for t in tree_flatten((args, kwargs))[0]
+                          if isinstance(t, Tensor))
 
 
 def _count_freed(counter: list[int], _: weakref.ref) -> None:

@@ -259,7 +259,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     return state, Step(layers, batch_size, scale)
 
 
-def _refuse_rows_that_are_not_samples(shapes: list[torch.Size] | None, batch_dim: int,
+def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim: int,
                                       rows: int, name: str, caller: str) -> None:
     """Refuse a step whose hooked layers saw ``rows`` rows where the model was called with
     ``samples`` samples (the size its tensor inputs of ``shapes`` share at ``batch_dim``), when

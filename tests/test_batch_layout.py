@@ -138,3 +138,48 @@ def test_float32_gradients_too_small_to_square_are_checked_without_a_false_refus
     for name, grads in expected.items():
         scale = grads.abs().max()
         torch.testing.assert_close(got[name] / scale, grads / scale, rtol=0, atol=1e-4)
+
+
+class TiedOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(6, 4), nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return torch.tanh(self.lin(self.emb(ids).mean(1))) @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_whole_model_as_a_unit_serves_several_computes_of_a_step(dtype):
+    """The fallback's re-run of the whole model (``units=['']``) is no call of the model: a
+    second ``compute_*`` of the step used to be refused ("called with 1 samples, but its
+    hooked layers saw 4 rows")."""
+    torch.manual_seed(2)
+    model, ids = TiedOutput().to(dtype), torch.randint(0, 6, (4, 3))
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 4)
+    total = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    with psh.add_hooks(model, units=[""]):
+        weighted_square(model(ids)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+        torch.testing.assert_close(psh.compute_norms(model).double(), total,
+                                   **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_unused_forward_on_a_part_of_the_batch_is_no_layout(dtype):
+    """A forward with grad enabled on 2 of the 6 samples, never backpropagated, between the
+    step's forward and backward: the rows of the step (6) are a multiple of that call's
+    samples (2), which used to be refused as 3 rows per sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    x = torch.randn(6, 4, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 6)
+    with psh.add_hooks(model):
+        out = model(x)
+        model(x[:2])
+        weighted_square(out).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
