@@ -124,6 +124,7 @@ from .step import (
     check_unseen_uses,
     parameter_names,
     prepare_step,
+    refusal_ends_step,
     refuse_shared,
 )
 
@@ -334,7 +335,8 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     from the per-sample gradients of each pass, ``scale * sum_passes J^T J``. Weight and bias
     get separate blocks. Every layer has them; ``unsupported`` is accepted as by the other
     ``compute_*`` functions."""
-    _check_unsupported(unsupported, "compute_hess")
+    with refusal_ends_step(model):
+        _check_unsupported(unsupported, "compute_hess")
     state, model_step = prepare_step(model, loss_type, "compute_hess")
     refuse_shared(model_step, "compute_hess")
     check_unseen_uses(state, model_step)
@@ -421,8 +423,9 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     gradients were formed on arrival (``OutputEdges(form_on_arrival=True)``) has lost the
     records its factors need: refused unless ``unsupported="skip"``.
     """
-    check_approx(approx, "compute_kfac")
-    _check_unsupported(unsupported, "compute_kfac", ("diagonal", "skip", "raise"))
+    with refusal_ends_step(model):
+        check_approx(approx, "compute_kfac")
+        _check_unsupported(unsupported, "compute_kfac", ("diagonal", "skip", "raise"))
     state, step = prepare_step(model, loss_type, "compute_kfac")
     check_unseen_uses(state, step)
     result = KFACFactors()

@@ -317,11 +317,8 @@ class DPSGD:
         self.accountant = make_accountant(accountant)
         self.generator, self.secure_rng = generator, secure_rng
         self.steps = 0
-        self.output_edges = OutputEdges(model, form_on_arrival=True)
         self.ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self.distributed = self.ddp or bool(sharded_parameters(model))  # DDP or FSDP2
-        if self.ddp:
-            distributed.skip_gradient_allreduce(model)
         params = self._parameters()
         self._noise = GaussianNoise(
             None if secure_rng else noise_generator(
@@ -340,6 +337,10 @@ class DPSGD:
                                  "of parameters) and a single process (not DDP)")
             self.gradient_noise_multiplier = adaptive_clipping.gradient_noise_multiplier(
                 self.noise_multiplier, batch_size)
+        # the model changed last, once every argument is accepted (a refusal leaves it as it was)
+        self.output_edges = OutputEdges(model, form_on_arrival=True)
+        if self.ddp:
+            distributed.skip_gradient_allreduce(model)
 
     @property
     def max_grad_norm(self) -> float | tuple[float, ...]:

@@ -31,6 +31,7 @@ from .step import (
     check_unseen_uses,
     parameter_names,
     prepare_step,
+    refusal_ends_step,
     shared_forms,
     shared_parameters,
 )
@@ -341,8 +342,9 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     """
     # stacklevel 5: threshold_argument, this, torch.no_grad's and with_full_values' wrappers,
     # then the caller
-    limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
-                        "clip_grads")
+    with refusal_ends_step(model):
+        limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
+                            "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads",
                                grouped=groups is not None)
     _check_coverage(step, "clip_grads")

@@ -7,8 +7,9 @@ unseen-use check of :mod:`per_sample_hooks.unseen` on the steps its schedule che
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,12 +115,19 @@ def reparametrized_since_hooks(state: HookState, module: nn.Module,
 def prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool = False
                  ) -> tuple[HookState, Step]:
     """Check what was captured and pair each hooked module with its rule and calls
-    (``grouped``: the caller groups the rows into samples, ``groups=``).
-
-    A refused step that had a backward is over, as a computed one is: the next forward starts
-    a new step (else it would count as a second micro-batch of the refused one)."""
-    try:
+    (``grouped``: the caller groups the rows into samples, ``groups=``); a refusal ends the
+    step (:func:`refusal_ends_step`)."""
+    with refusal_ends_step(model):
         return _prepare_step(model, loss_type, caller, grouped)
+
+
+@contextlib.contextmanager
+def refusal_ends_step(model: nn.Module) -> Iterator[None]:
+    """A step refused inside (its capture, or a verb's arguments) that had a backward is over,
+    as a computed one is: the next forward starts a new step (else it would count as a second
+    micro-batch of the refused one)."""
+    try:
+        yield
     except Exception:
         state = unwrap(model).__dict__.get(STATE_ATTRIBUTE)
         if state is not None and state.status.backward_seen:

@@ -621,6 +621,27 @@ def test_errors_leave_the_model_usable():
 
 
 
+@pytest.mark.parametrize("refused", [
+    lambda m: psh.clip_grads(m, -1.0), lambda m: psh.clip_grads(m, [(m[0].weight, 1.0)]),
+    lambda m: psh.compute_kfac(m, approx="Expand"),
+    lambda m: psh.compute_hess(m, unsupported="ignore")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_refused_argument_does_not_poison_the_next_step(refused, dtype):
+    """A verb refusing its arguments (a negative threshold, a parameter in no group, an unknown
+    approximation) after the step's backward ends the step, as other refusals do: the next,
+    corrected step was refused as a second micro-batch."""
+    model, x = mlp().to(dtype), torch.randn(5, 5, dtype=dtype)
+    with psh.add_hooks(model):
+        step(model, x)
+        with pytest.raises(ValueError):
+            refused(model)
+        step(model, x, "sum")
+        psh.compute_grad1(model, loss_type="sum")
+        expected = loop_grads(copy.deepcopy(model).double(), [x.double()], sum_of_outputs, 5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
 def refuse(model: nn.Module, refusal: str, dtype: torch.dtype) -> None:
     """One step of ``model`` (Linear, BatchNorm1d, Tanh, Linear) that compute_* refuses."""
     x = torch.randn(6, 5, dtype=dtype)

@@ -65,9 +65,13 @@ def test_bad_adaptive_clipping(options, message):
 
 
 def test_adaptive_clipping_needs_one_threshold():
+    """Refused in the constructor, which leaves the model unhooked (it was left hooked)."""
+    model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="adaptive_clipping needs one max_grad_norm"):
-        empty_step_noise(lambda m: [(m.weight, 2.0), (m.bias, 1.0)],
-                         adaptive_clipping=AdaptiveClipping(count_noise_multiplier=10.0))
+        DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+              max_grad_norm=[(model.weight, 2.0), (model.bias, 1.0)], dataset_size=100,
+              batch_size=10, adaptive_clipping=AdaptiveClipping(count_noise_multiplier=10.0))
+    assert not model._forward_hooks and not model._forward_pre_hooks and not vars(model.weight)
 
 
 def fixed_problem(size: int = 256):
