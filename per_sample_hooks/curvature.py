@@ -107,7 +107,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .capture import NON_REENTRANT, Call, refused_by_reentrant_checkpointing
+from .capture import NON_REENTRANT, Call, HookState, refused_by_reentrant_checkpointing
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
@@ -326,6 +326,17 @@ def _pass_forms(layer: LayerWork, names: list[str]) -> list[dict[str, list[Form]
     return [layer.rule.forms(layer.module, calls, names) for calls in split_passes(layer.calls)]
 
 
+def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
+    """:func:`prepare_step`, refusing an empty batch: no curvature or second moment of zero
+    samples (a mean over them is undefined)."""
+    state, step = prepare_step(model, loss_type, caller)
+    if step.batch_size == 0:
+        raise PerSampleHooksError(
+            f"{caller}: the step's batch is empty (0 samples): there is no curvature or second "
+            "moment to compute. Skip the call for an empty batch (Poisson sampling draws one "
+            "now and then)")
+    return state, step
+
 @torch.no_grad()
 def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
                  unsupported: Unsupported = "raise") -> None:
@@ -337,7 +348,7 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     ``compute_*`` functions."""
     with refusal_ends_step(model):
         _check_unsupported(unsupported, "compute_hess")
-    state, model_step = prepare_step(model, loss_type, "compute_hess")
+    state, model_step = _nonempty_step(model, loss_type, "compute_hess")
     refuse_shared(model_step, "compute_hess")
     check_unseen_uses(state, model_step)
     for layer in _curvature_layers(model_step):
@@ -426,7 +437,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     with refusal_ends_step(model):
         check_approx(approx, "compute_kfac")
         _check_unsupported(unsupported, "compute_kfac", ("diagonal", "skip", "raise"))
-    state, step = prepare_step(model, loss_type, "compute_kfac")
+    state, step = _nonempty_step(model, loss_type, "compute_kfac")
     check_unseen_uses(state, step)
     result = KFACFactors()
     names = None  # qualified parameter names, read once something is skipped
@@ -490,7 +501,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     diagonal of the mean loss. Names as in ``model.named_parameters()``. From the forms
     (``forms.second_order.add_squares``): no per-sample gradients for one-position
     outer products, biases and embedding rows; others materialize one parameter at a time."""
-    state, step = prepare_step(model, loss_type, "compute_fisher_diag")
+    state, step = _nonempty_step(model, loss_type, "compute_fisher_diag")
     names = parameter_names(model, step)
     refuse_shared(step, "compute_fisher_diag")
     check_unseen_uses(state, step)
@@ -510,7 +521,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
 def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
     """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
     ``Variance``) variance of the per-sample gradients, after one ordinary backward."""
-    step = prepare_step(model, loss_type, "compute_grad_variance")[1]
+    step = _nonempty_step(model, loss_type, "compute_grad_variance")[1]
     if any(len(split_passes(layer.calls)) > 1 for layer in step.layers if layer.calls):
         raise PerSampleHooksError(
             "compute_grad_variance: the hooks captured several backward passes; the variance "
@@ -544,7 +555,7 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     (``forms.second_order.add_gram``): one-position outer products ``(A A^T) * (G G^T)``,
     several positions the ghost Gram where cheaper; others materialize one parameter at a
     time."""
-    state, step = prepare_step(model, loss_type, "compute_gram")
+    state, step = _nonempty_step(model, loss_type, "compute_gram")
     refuse_shared(step, "compute_gram")
     check_unseen_uses(state, step)
     total = None

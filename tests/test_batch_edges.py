@@ -83,6 +83,21 @@ def test_empty_batch_gives_empty_results(make, shape):
             assert p.grad.shape == p.shape and not p.grad.any()
 
 
+@pytest.mark.parametrize("verb", ["compute_gram", "compute_fisher_diag", "compute_grad_variance",
+                                  "compute_kfac", "compute_hess"])
+@pytest.mark.parametrize("make, shape", [(mlp, (5,)), (cnn, (2, 5, 5))])
+def test_empty_batch_is_refused_by_second_moments_and_the_next_step_is_clean(make, shape, verb):
+    """Each refuses ``B = 0`` by name (the convolution's and the norms' rules crashed on a
+    reshape of 0 elements); the next step is exact."""
+    model = make()
+    with psh.add_hooks(model):
+        model(torch.randn(0, *shape, dtype=torch.float64)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=rf"{verb}: the step's batch is empty"):
+            getattr(psh, verb)(model)
+        x = torch.randn(3, *shape, dtype=torch.float64)
+        assert_same(hooked_step(model, x), reference(model, x))
+
+
 def test_smaller_final_batch_then_larger_again():
     model = mlp()
     with psh.add_hooks(model):
