@@ -547,6 +547,9 @@ class StepStatus:
     # (module, op): the first op on an output expanded over the batch that did not keep the
     # batch dim (:class:`BroadcastOutput`)
     broadcast_misuse: tuple[str, str] | None = None
+    # backward passes that backprop_hess ran through hooked outputs (each a column of the
+    # loss' Hessian square root: the curvature keeps them apart; other passes add up)
+    hess_passes: int = 0
 
 
 @dataclass
@@ -835,6 +838,11 @@ class HookState:
             yield
         finally:
             self.enabled = enabled
+
+    def captured_passes(self) -> int:
+        """How many output gradients the hooks hold (all calls, all passes)."""
+        return sum(len(passes) for calls in self.calls.values() for call in calls
+                   for passes in call.grads)
 
     def hooked_calls(self) -> Iterator[tuple[nn.Module, str, list[Call]]]:
         for module, (name, _) in self.modules.items():

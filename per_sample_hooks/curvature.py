@@ -107,7 +107,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .capture import NON_REENTRANT, Call, HookState, refused_by_reentrant_checkpointing
+from .capture import (
+    NON_REENTRANT,
+    Call,
+    HookState,
+    live_states,
+    refused_by_reentrant_checkpointing,
+)
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
@@ -251,6 +257,8 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
                                   "grad")
     seeds = list(seeds)
     before = edges.captured_passes() if recorded else 0
+    states = live_states()  # the hooked models its passes reach get them counted
+    held = [state.captured_passes() for state in states]
     try:
         for index, seed in enumerate(seeds):
             retain = retain_graph or index < len(seeds) - 1
@@ -269,6 +277,9 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
             "leaves .grad alone can run (torch.autograd.grad, or a backward to given tensors). "
             f"Use {NON_REENTRANT}; clear_backprops(model) before the next forward"
             ) from error
+    for state, count in zip(states, held):
+        if state.captured_passes() != count:
+            state.status.hess_passes += len(seeds)
     if recorded and edges.captured_passes() == before:  # autograd skips unreachable inputs
         raise PerSampleHooksError(
             "backprop_hess: no output that edges recorded is reached from output (edges of "
@@ -291,12 +302,12 @@ def _check_unsupported(unsupported: str, caller: str,
         raise ValueError(f"{caller}: unsupported must be one of {choices}, got {unsupported!r}")
 
 
-def _squares(layer: LayerWork, names: list[str], batch: int, factor: float
+def _squares(layer: LayerWork, names: list[str], batch: int, factor: float, hess_passes: int
              ) -> dict[str, Tensor]:
     """``{name: factor * sum_{passes, i} g_i^2}`` for ``names`` of ``layer`` (``g_i`` as
     captured), from the forms (``forms.second_order.add_squares``)."""
     totals = {n: full_zeros(layer.parameters[n]) for n in names}
-    for forms in _pass_forms(layer, names):
+    for forms in _pass_forms(layer, names, hess_passes):
         for name, total in totals.items():
             add_squares(total, forms[name], batch)
     return {n: total.mul_(factor) for n, total in totals.items()}
@@ -304,26 +315,31 @@ def _squares(layer: LayerWork, names: list[str], batch: int, factor: float
 
 # ----------------------------------------------------------------------------- public
 
-def split_passes(calls: Sequence[Call]) -> list[list[Call]]:
-    """``calls`` (several backward passes each) as one list of single-pass views per pass.
+def split_passes(calls: Sequence[Call], hess_passes: int) -> list[list[Call]]:
+    """``calls`` as one list of single-pass views per pass of :func:`backprop_hess`
+    (``hess_passes`` of them: each a column of the Hessian's square root), or as one list
+    whose passes add up (ordinary backward passes: the gradient of their summed losses).
 
     Pass ``k`` of every call belongs to the same backward pass, so all calls must have seen
-    the same number of passes."""
+    the same number of passes: backprop_hess', and no other."""
     counts = {c.n_passes for c in calls}
-    if len(counts) > 1:
+    if hess_passes and counts - {0, 1, hess_passes}:  # 0, 1: formed on arrival, or one pass
         raise PerSampleHooksError(
-            f"the calls of one module saw different numbers of backward passes {sorted(counts)}"
-            ": some pass did not reach every call, so passes cannot be paired. Run "
-            "backprop_hess (or one backward) on a fresh forward")
-    n = counts.pop() if counts else 0
-    if n <= 1:  # one pass (or per-sample gradients formed on arrival, their records dropped)
+            f"a module's calls saw {sorted(counts)} backward passes where backprop_hess ran "
+            f"{hess_passes}: another backward of the step, or a pass that did not reach every "
+            "call, would be taken for a column of the curvature. Run backprop_hess alone on a "
+            "fresh forward (an ordinary backward after the compute_* call)")
+    n = counts.pop() if len(counts) == 1 else 0
+    if not hess_passes or n <= 1:
         return [list(calls)] if calls else []
     return [[c.only_pass(k) for c in calls] for k in range(n)]
 
 
-def _pass_forms(layer: LayerWork, names: list[str]) -> list[dict[str, list[Form]]]:
-    """The forms of ``names`` in each captured backward pass."""
-    return [layer.rule.forms(layer.module, calls, names) for calls in split_passes(layer.calls)]
+def _pass_forms(layer: LayerWork, names: list[str], hess_passes: int
+                ) -> list[dict[str, list[Form]]]:
+    """The forms of ``names`` in each pass (:func:`split_passes`)."""
+    return [layer.rule.forms(layer.module, calls, names)
+            for calls in split_passes(layer.calls, hess_passes)]
 
 
 def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
@@ -336,6 +352,7 @@ def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[
             "moment to compute. Skip the call for an empty batch (Poisson sampling draws one "
             "now and then)")
     return state, step
+
 
 @torch.no_grad()
 def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
@@ -352,7 +369,7 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     refuse_shared(model_step, "compute_hess")
     check_unseen_uses(state, model_step)
     for layer in _curvature_layers(model_step):
-        passes = _pass_forms(layer, list(layer.parameters))
+        passes = _pass_forms(layer, list(layer.parameters), model_step.hess_passes)
         for name, p in layer.parameters.items():
             block = torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
             buffer = p.new_empty((model_step.batch_size, *p.shape))
@@ -448,7 +465,8 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
         formed = isinstance(layer.rule, FormedRule)
         lost = formed and structure is not None and "weight" in rest  # records dropped
         if structure is not None and "weight" in rest and not formed:
-            passes = [forms["weight"] for forms in _pass_forms(layer, ["weight"])]
+            passes = [forms["weight"]
+                      for forms in _pass_forms(layer, ["weight"], step.hess_passes)]
             spare = state.storage.scratch(layer.module, "kfac")
             if structure == "outer":
                 if rule.weight_transposed:  # Outer(inputs, output gradients): swap them
@@ -468,7 +486,8 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
         elif lost or unsupported == "raise":
             raise UnsupportedModuleError(_refusal(layer, rule, structure, lost, rest))
         else:
-            result.diagonal[layer.module] = _squares(layer, rest, step.batch_size, step.scale)
+            result.diagonal[layer.module] = _squares(layer, rest, step.batch_size, step.scale,
+                                                     step.hess_passes)
     return result
 
 
@@ -496,11 +515,12 @@ def _refusal(layer: LayerWork, rule: Rule, structure: str | None, lost: bool,
 @torch.no_grad()
 def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
     """``{parameter name: sum_i g_i^2}`` (shape of the parameter), ``g_i`` sample i's gradient
-    as in ``grad1``, summed over the captured passes too (after :func:`backprop_hess`: ``N``
-    times the GGN diagonal of the mean loss). Divide by ``N`` for the empirical Fisher
-    diagonal of the mean loss. Names as in ``model.named_parameters()``. From the forms
-    (``forms.second_order.add_squares``): no per-sample gradients for one-position
-    outer products, biases and embedding rows; others materialize one parameter at a time."""
+    as in ``grad1`` (ordinary backward passes add up into it); after :func:`backprop_hess`
+    summed over its passes too: ``N`` times the GGN diagonal of the mean loss. Divide by ``N``
+    for the empirical Fisher diagonal of the mean loss. Names as in
+    ``model.named_parameters()``. From the forms (``forms.second_order.add_squares``): no
+    per-sample gradients for one-position outer products, biases and embedding rows; others
+    materialize one parameter at a time."""
     state, step = _nonempty_step(model, loss_type, "compute_fisher_diag")
     names = parameter_names(model, step)
     refuse_shared(step, "compute_fisher_diag")
@@ -509,7 +529,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     for layer in step.layers:
         if layer.calls and layer.parameters:
             totals = _squares(layer, list(layer.parameters), step.batch_size,
-                              step.scale * step.scale)
+                              step.scale * step.scale, step.hess_passes)
         else:
             totals = {n: full_zeros(p) for n, p in layer.parameters.items()}
         for local, total in totals.items():
@@ -522,10 +542,10 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
     """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
     ``Variance``) variance of the per-sample gradients, after one ordinary backward."""
     step = _nonempty_step(model, loss_type, "compute_grad_variance")[1]
-    if any(len(split_passes(layer.calls)) > 1 for layer in step.layers if layer.calls):
+    if step.hess_passes:
         raise PerSampleHooksError(
-            "compute_grad_variance: the hooks captured several backward passes; the variance "
-            "of per-sample gradients needs exactly one ordinary backward of the loss")
+            "compute_grad_variance: the hooks captured the passes of backprop_hess; the "
+            "variance of per-sample gradients needs an ordinary backward of the loss")
     second = compute_fisher_diag(model, loss_type)
     names = parameter_names(model, step)
     batch = step.batch_size
@@ -551,7 +571,7 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
 @torch.no_grad()
 def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     """``[N, N]``: ``K_ij = <g_i, g_j>`` over every trainable parameter of hooked modules
-    (``g_i`` as in ``grad1``; summed over captured passes). From the forms
+    (``g_i`` as in ``grad1``; after :func:`backprop_hess` summed over its passes). From the forms
     (``forms.second_order.add_gram``): one-position outer products ``(A A^T) * (G G^T)``,
     several positions the ghost Gram where cheaper; others materialize one parameter at a
     time."""
@@ -560,7 +580,7 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     check_unseen_uses(state, step)
     total = None
     for layer in _curvature_layers(step):
-        for forms in _pass_forms(layer, list(layer.parameters)):
+        for forms in _pass_forms(layer, list(layer.parameters), step.hess_passes):
             for name, p in layer.parameters.items():
                 if total is None:
                     total = torch.zeros((step.batch_size, step.batch_size), dtype=p.dtype,

@@ -132,10 +132,7 @@ class OutputEdges:
 
     def captured_passes(self) -> int:
         """How many output gradients the model's hooks hold (all calls, all passes)."""
-        if self._state is None:
-            return 0
-        return sum(len(passes) for calls in self._state.calls.values() for call in calls
-                   for passes in call.grads)
+        return 0 if self._state is None else self._state.captured_passes()
 
     def clear(self) -> None:
         self.edges = []

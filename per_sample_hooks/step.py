@@ -70,6 +70,7 @@ class Step:
     layers: list[LayerWork]
     batch_size: int
     scale: float
+    hess_passes: int = 0  # backward passes of backprop_hess that reached the hooks (0: none)
 
 
 def parameter_dtype(module: nn.Module) -> torch.dtype | None:
@@ -264,7 +265,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                                           batch_size, sizes[batch_size], caller)
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
-    return state, Step(layers, batch_size, scale)
+    return state, Step(layers, batch_size, scale, status.hess_passes)
 
 
 def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim: int,

@@ -18,7 +18,7 @@ from models import AppliedTwice
 from torch import Tensor, nn
 
 import per_sample_hooks as psh
-from ground_truth import seeded
+from ground_truth import loop_tolerance, seeded
 from per_sample_hooks.dp import OutputEdges
 from per_sample_hooks.errors import PerSampleHooksError, UnsupportedModuleError
 from per_sample_hooks.forms.kronecker import ROW_ALIGN
@@ -601,3 +601,45 @@ def test_kfac_factors_held_by_the_caller_are_never_overwritten() -> None:
             assert (a.data_ptr(), g.data_ptr()) == storage[module]  # reused, not reallocated
             for factor in (a, g):  # rows start on 64-byte boundaries
                 assert factor.stride(-2) % ROW_ALIGN == 0 and factor.stride(-1) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_second_moments_of_two_ordinary_backward_passes_are_those_of_their_sum(dtype):
+    """A main and an auxiliary loss, backpropagated one after the other (``retain_graph``):
+    the per-sample gradient is their sum, as ``grad1`` says, and so are the Gram matrix, the
+    Fisher diagonal, the empirical Fisher blocks and the variance (each pass was squared
+    apart: 23-28% off, no error). backprop_hess' passes and an ordinary backward in one step
+    are refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    x, y = torch.randn(6, 4, dtype=dtype), torch.randint(0, 3, (6,))
+
+    def losses(out: Tensor, labels: Tensor = y) -> Tensor:
+        return F.cross_entropy(out, labels, reduction="none") + 0.3 * out.square().sum(1)
+
+    rows = []
+    twin = copy.deepcopy(model).double()
+    for i in range(6):
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(
+            losses(twin(x[i:i + 1].double()), y[i:i + 1]).sum(), list(twin.parameters()))]))
+    g = torch.stack(rows)
+    tolerance = loop_tolerance(dtype)
+    with psh.add_hooks(model):
+        out = model(x)
+        F.cross_entropy(out, y).backward(retain_graph=True)
+        (0.3 * out.square().sum(1)).mean().backward()
+        torch.testing.assert_close(psh.compute_gram(model).double(), g @ g.T, **tolerance)
+        squares = torch.cat([v.flatten() for v in psh.compute_fisher_diag(model).values()])
+        torch.testing.assert_close(squares.double(), g.square().sum(0), **tolerance)
+        variance = torch.cat([v.flatten() for v in psh.compute_grad_variance(model).values()])
+        torch.testing.assert_close(variance.double(), g.var(0, unbiased=False), **tolerance)
+        psh.compute_hess(model)
+        block = g[:, :20]  # 0.weight
+        torch.testing.assert_close(model[0].weight.hess.double(), block.T @ block / 6,
+                                   **tolerance)
+        out = model(x)
+        psh.backprop_hess(out, "CrossEntropy", retain_graph=True)
+        F.cross_entropy(out, y).backward()
+        with pytest.raises(PerSampleHooksError, match=r"backward passes where backprop_hess "
+                                                      r"ran 3: another backward of the step"):
+            psh.compute_fisher_diag(model)
