@@ -786,7 +786,7 @@ class HookState:
         ``.grad`` in between (an optimizer's or a preconditioner's in-place edit) belongs to no
         step."""
         self._new_step()
-        self.status.consumed = True
+        self.end_step()
 
     def _new_step(self) -> None:
         """Forget every captured call and reset the add-ons: a step starts."""
@@ -823,8 +823,9 @@ class HookState:
 
     def end_step(self) -> None:
         """This step is over (computed, or refused after its backward): the next forward
-        starts a new one."""
+        starts a new one (and notes the model's calls anew)."""
         self.status.consumed = True
+        self.model_input_shapes = set()
 
     def release_records(self, by: str) -> None:
         """Mark this step's records as dropped by ``by`` (read again: refused, naming it)."""

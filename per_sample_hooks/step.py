@@ -307,7 +307,8 @@ def _no_gradient_captured(state: HookState, caller: str) -> PerSampleHooksError:
     """No hooked output received a gradient: no backward, or one that reached the trainable
     parameters only through uses outside their modules' forwards (named, with a unit)."""
     model = state.model
-    reached = [] if model is None else [
+    called = state.enabled and state.model_input_shapes != set()  # in this step, hooked
+    reached = [] if model is None or not called else [
         name for name, p in model.named_parameters() if p.requires_grad and p.grad is not None]
     if not reached:
         return PerSampleHooksError(
