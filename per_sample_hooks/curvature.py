@@ -323,7 +323,7 @@ def split_passes(calls: Sequence[Call], hess_passes: int) -> list[list[Call]]:
     Pass ``k`` of every call belongs to the same backward pass, so all calls must have seen
     the same number of passes: backprop_hess', and no other."""
     counts = {c.n_passes for c in calls}
-    if hess_passes and counts - {0, 1, hess_passes}:  # 0, 1: formed on arrival, or one pass
+    if hess_passes and counts - {0, hess_passes}:  # 0: formed on arrival, records dropped
         raise PerSampleHooksError(
             f"a module's calls saw {sorted(counts)} backward passes where backprop_hess ran "
             f"{hess_passes}: another backward of the step, or a pass that did not reach every "

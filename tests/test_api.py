@@ -847,3 +847,38 @@ def test_autograd_grad_over_every_parameter_and_a_restricted_backward(dtype):
         assert model[0].weight.grad is None and not model[0].weight.grad1.any()
         torch.testing.assert_close(model[2].weight.grad1.double(), expected["2.weight"],
                                    **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_input_gradients_taken_as_the_readme_says(dtype):
+    """An input-gradient pass on the step's graph after its compute_*, or on a forward of its
+    own followed by clear_backprops: the next steps are exact. Taken before the step's
+    backward it adds to it, as the README says (doubled here, the same loss twice)."""
+    model, x = mlp().to(dtype), torch.randn(5, 5, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+
+    def exact(factor: float = 1.0) -> None:
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), factor * expected[n],
+                                       **loop_tolerance(dtype))
+
+    with psh.add_hooks(model, check_unseen=False):
+        inputs = x.clone().requires_grad_()
+        loss = weighted_square(model(inputs)).mean()
+        loss.backward(retain_graph=True)
+        psh.compute_grad1(model)
+        exact()
+        torch.autograd.grad(loss, inputs)  # after the compute_* call
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        exact()
+        torch.autograd.grad(weighted_square(model(inputs)).sum(), inputs)  # own forward
+        psh.clear_backprops(model)
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        exact()
+        loss = weighted_square(model(inputs)).mean()
+        torch.autograd.grad(loss, inputs, retain_graph=True)  # before the step's backward
+        loss.backward()
+        psh.compute_grad1(model)
+        exact(2.0)
