@@ -100,3 +100,10 @@ def assert_matches_loop(model: nn.Module, inputs: Sequence[object],
         torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")
     return got
+
+
+def assert_same_state(model: nn.Module, reference: nn.Module) -> None:
+    """Every entry of ``model``'s state dict equals ``reference``'s, bit for bit."""
+    for (name, kept), (_, before) in zip(model.state_dict().items(),
+                                         reference.state_dict().items()):
+        assert torch.equal(kept, before), name

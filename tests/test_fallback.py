@@ -20,6 +20,7 @@ from torch import nn
 import per_sample_hooks as psh
 from ground_truth import (
     assert_matches_loop,
+    assert_same_state,
     hooked_grads,
     loop_grads,
     loop_grads_of,
@@ -900,9 +901,7 @@ def test_a_re_run_leaves_the_units_parameters_and_buffers_as_they_were(dtype):
             if p.requires_grad:
                 torch.testing.assert_close(p.grad1.double(), expected[n],
                                            **loop_tolerance(dtype))
-    for (n, kept), (_, before) in zip(model.state_dict().items(),
-                                      reference.state_dict().items()):
-        assert torch.equal(kept, before), n
+    assert_same_state(model, reference)
 
 
 class Decaying(nn.Module):

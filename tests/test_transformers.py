@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import per_sample_hooks as psh
-from ground_truth import loop_tolerance, seeded
+from ground_truth import assert_same_state, loop_tolerance, seeded
 
 transformers = pytest.importorskip("transformers")
 
@@ -693,6 +693,4 @@ def test_peft_lora_on_multihead_attention_as_a_unit(dtype) -> None:
                 if p.requires_grad:
                     torch.testing.assert_close(p.grad1.double(), expected[name],
                                                **loop_tolerance(dtype))
-    for (name, kept), (_, before) in zip(model.state_dict().items(),
-                                         reference.state_dict().items()):
-        assert torch.equal(kept, before), name
+    assert_same_state(model, reference)

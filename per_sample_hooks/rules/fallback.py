@@ -349,17 +349,12 @@ class FallbackRule(Rule):
 
 
 @contextlib.contextmanager
-def state_kept(module: nn.Module) -> Iterator[None]:
-    """The unit's parameters and buffers as they were before a re-run, whatever its forward does
-    to them: re-registers them (peft's LoRA on ``MultiheadAttention`` merges its weights into
-    new parameters and back in every forward) or updates a buffer in place (copied back). A
-    parameter changed in place cannot be restored: refused."""
+def registrations_kept(module: nn.Module) -> Iterator[None]:
+    """The unit's parameters and buffers registered as they were before one re-run of its
+    forward, whatever that forward registers (peft's LoRA on ``MultiheadAttention`` merges its
+    weights into new parameters and back in every forward): each re-run starts from them."""
     saved = [(sub, dict(sub._parameters), dict(sub._buffers), set(vars(sub)))
              for sub in module.modules()]
-    versions = [(sub, name, p, p._version) for sub, parameters, _, _ in saved
-                for name, p in parameters.items() if p is not None]
-    copies = [(b, b._version, b.clone()) for _, _, buffers, _ in saved
-              for b in buffers.values() if b is not None]
     try:
         yield
     finally:
@@ -370,16 +365,30 @@ def state_kept(module: nn.Module) -> Iterator[None]:
             sub._parameters.update(parameters)
             sub._buffers.clear()
             sub._buffers.update(buffers)
+
+
+@contextlib.contextmanager
+def values_kept(module: nn.Module) -> Iterator[None]:
+    """The values of the unit's buffers as they were before its re-runs (one updated in place,
+    a count of calls, is copied back once they are over). A parameter changed in place cannot
+    be restored: refused, whatever else the re-runs raised."""
+    versions = [(sub, name, p, p._version) for sub in module.modules()
+                for name, p in sub._parameters.items() if p is not None]
+    copies = [(b, b._version, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
         with torch.no_grad():
             for buffer, version, copy in copies:
                 if buffer._version != version:
                     buffer.copy_(copy)
-    for sub, name, parameter, version in versions:
-        if parameter._version != version:
-            raise PerSampleHooksError(
-                f"{type(sub).__name__}: its forward changes its parameter {name!r} in place; "
-                "the torch.func fallback re-runs that forward and cannot restore the value. "
-                "Give the module a rule, or change the parameter outside its forward")
+        for sub, name, parameter, version in versions:
+            if parameter._version != version:
+                raise PerSampleHooksError(
+                    f"{type(sub).__name__}: its forward changes its parameter {name!r} in "
+                    "place; the torch.func fallback re-runs that forward and cannot restore "
+                    "the value. Give the module a rule, or change the parameter outside its "
+                    "forward")
 
 
 @contextlib.contextmanager
@@ -433,7 +442,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     trainable = {n: params[n].detach() for n in names}
 
     def outputs(args: Sequence, kwargs: dict, weights: dict[str, Tensor]) -> list[Tensor]:
-        with state_kept(module):
+        with registrations_kept(module):
             output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
                                                 {**kwargs, **rerun_kwargs})
         leaves = tree_flatten(output)[0]
@@ -477,7 +486,8 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
     try:
-        with torch.enable_grad(), without_cudnn(bool(recurrent)), power_iterations_off(module):
+        with torch.enable_grad(), without_cudnn(bool(recurrent)), \
+                power_iterations_off(module), values_kept(module):
             alone, grads, failure = vmapped_or_looped()
             with torch.no_grad():
                 batched = _kept_outputs(call, out_leaves, alone) or \
