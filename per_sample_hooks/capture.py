@@ -41,6 +41,11 @@ class Call:
     the call's forward that an add-on asked to watch (:attr:`HookState.watchers`); ``note``:
     what that add-on recorded about the call (opaque here). Empty and None for most modules.
 
+    ``shared_input``: where the call's first input is (a view of) a parameter or buffer of the
+    model, not broadcast over its batch dim (a relative position table run through an MLP):
+    ``(kind, name)`` of it; every sample shares that input, whatever its size, so its rows are
+    not samples. None for most calls.
+
     ``outputs``: for a rule that compares a re-run of the forward with it
     (:attr:`Rule.keeps_outputs <per_sample_hooks.rules.base.Rule>`), the call's output leaves,
     detached, each with its version at the forward (None for a leaf that is not a tensor);
@@ -54,7 +59,8 @@ class Call:
     """
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
-                 "watched", "note", "hooks", "values", "recomputed", "outputs", "__weakref__")
+                 "watched", "note", "hooks", "values", "recomputed", "outputs", "shared_input",
+                 "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False):
@@ -78,6 +84,9 @@ class Call:
         self.values: list[tuple[str, str, Tensor, int]] | None = None
         self.recomputed = False  # recorded during a backward (activation checkpointing)
         self.outputs: list[tuple[Tensor, int] | None] | None = None
+        # ("parameter" or "buffer", name): the model's own tensor the call's first input is
+        # (a view of), rows and all: a table every sample shares, not a batch
+        self.shared_input: tuple[str, str] | None = None
 
     @property
     def has_grads(self) -> bool:
@@ -550,6 +559,9 @@ class StepStatus:
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
     # loss' Hessian square root: the curvature keeps them apart; other passes add up)
     hess_passes: int = 0
+    # storage address -> (kind, name) of the model's parameters and buffers, formed the first
+    # time in the step that a call's input may be one of them (:attr:`Call.shared_input`)
+    model_tensors: dict[int, tuple[str, str]] | None = None
 
 
 @dataclass
@@ -682,7 +694,11 @@ class HookState:
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
         call.recomputed = in_backward
-        if not compiling:  # the values a re-run or a rule reads
+        if not compiling:
+            first = given_args[0] if given_args else None
+            if _may_be_a_model_tensor(first, batch_dim):
+                call.shared_input = self._model_tensor(first)
+            # the values a re-run or a rule reads
             recurse = owner in self.units
             values = [("parameter", n, p) for n, p in owner.named_parameters(recurse=recurse)
                       ] if rule.needs_parameter_values else []
@@ -692,7 +708,7 @@ class HookState:
             if values:
                 call.values = [(kind, n, t, t._version) for kind, n, t in values]
         own_batch, expanded = None, False
-        if status.batch is None:
+        if status.batch is None and call.shared_input is None:
             own_batch = self._batch_or_none(owner, call)
             if own_batch is not None and own_batch > 1:
                 status.batch = own_batch
@@ -742,6 +758,18 @@ class HookState:
         if expanded:  # the model's uses of it are watched from here on
             output = BroadcastOutput.wrap(output, name, batch_dim, status.batch, status)
         return output
+
+    def _model_tensor(self, t: Tensor) -> tuple[str, str] | None:
+        """``("parameter" | "buffer", name)`` of the model's tensor whose storage ``t`` uses."""
+        status = self.status
+        if status.model_tensors is None:
+            model = self.model
+            named = [] if model is None else [
+                *(("parameter", n, p) for n, p in model.named_parameters()),
+                *(("buffer", n, b) for n, b in model.named_buffers())]
+            status.model_tensors = {_storage_address(v): (kind, n) for kind, n, v in named}
+            status.model_tensors.pop(0, None)
+        return status.model_tensors.get(_storage_address(t))
 
     def drop_unreachable(self) -> None:
         """Forget the calls no gradient can reach any more (:attr:`Call.unreachable`)."""
@@ -895,6 +923,22 @@ class ModelCallHook:
         else:
             shapes.update(t.shape for t in tree_flatten((args, kwargs))[0]
                           if isinstance(t, Tensor))
+
+
+def _may_be_a_model_tensor(t: object, batch_dim: int) -> bool:
+    """Whether ``t`` could be a model's parameter or buffer (or a view of one) with rows at
+    ``batch_dim``: a tensor no autograd op made, whose dim there is not broadcast (a table
+    expanded over the batch, as transformers' ``position_ids``, is the batch's)."""
+    return isinstance(t, Tensor) and t.grad_fn is None and t.dim() > batch_dim and \
+        t.shape[batch_dim] > 1 and t.stride(batch_dim) != 0
+
+
+def _storage_address(t: Tensor) -> int:
+    """The address of the memory ``t`` views (0: none, a tensor subclass without storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def _count_freed(counter: list[int], _: weakref.ref) -> None:

@@ -202,6 +202,8 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                 "unit of the torch.func fallback)")
         with_grads = []
         for call in calls:
+            if call.shared_input is not None and call.has_grads:
+                raise _shared_input_error(caller, name, module, call)
             changed = call.modified_inputs()
             if changed:
                 raise PerSampleHooksError(
@@ -266,6 +268,21 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale, status.hess_passes)
+
+
+def _shared_input_error(caller: str, name: str, module: nn.Module, call: Call
+                        ) -> PerSampleHooksError:
+    kind, tensor = call.shared_input
+    shape = tuple(call.args[0].shape)
+    return PerSampleHooksError(
+        f"{caller}: '{name}' ({type(module).__name__}) was called on the model's {kind} "
+        f"'{tensor}' (shape {shape}), which every sample shares (a relative position table "
+        "run through an MLP, learned queries): its rows are not the samples, whatever their "
+        f"number, so the per-sample gradients of '{name}' are not those of its rows. Make a "
+        "module that holds this call and the ops that meet its output with the batch (the "
+        "attention layer that adds it to the scores) one unit of the torch.func fallback, "
+        "add_hooks(model, units=[...]), or freeze the parameters of the layers that act on "
+        "it before it meets the batch")
 
 
 def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim: int,

@@ -183,3 +183,116 @@ def test_an_unused_forward_on_a_part_of_the_batch_is_no_layout(dtype):
         psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+def assert_grad1_matches_loop(model: nn.Module, inputs: list, **hook_options) -> None:
+    """``grad1`` of ``model`` in its dtype against the float64 loop (weighted squares, mean)."""
+    dtype = next(model.parameters()).dtype
+    with psh.add_hooks(model, **hook_options):
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(*inputs)).mean().backward()
+        psh.compute_grad1(model)
+        got = {name: p.grad1.double() for name, p in model.named_parameters()}
+    batch = inputs[0].shape[0]
+    inputs64 = [x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
+    expected = loop_grads(copy.deepcopy(model).double(), inputs64, weighted_square, batch)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], **loop_tolerance(dtype),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+class RelativePositionMLP(nn.Module):
+    """timm's RelPosMlp in small: an MLP run on a coordinate table (a buffer ``[N, N, 2]``, no
+    batch dim), its output added to every sample's attention scores."""
+
+    def __init__(self, tokens: int = 5, width: int = 4):
+        super().__init__()
+        self.register_buffer("coords", torch.randn(tokens, tokens, 2), persistent=False)
+        # (no bias where softmax would leave it no gradient: a shift of the scores, of keys)
+        self.mlp = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 1, bias=False))
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        bias = self.mlp(self.coords).squeeze(-1)  # [N, N], shared by the samples
+        return ((q @ k.transpose(1, 2) + bias).softmax(-1) @ v).sum(1)
+
+
+class Model(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [5, 3])
+def test_a_layer_called_on_a_table_of_the_model_is_refused_whatever_its_rows(batch, dtype):
+    """An MLP on a buffer table with as many rows as samples (5) returned the rows' gradients as
+    the samples', 110% off; with other rows (3) the refusal named no table. Both name it now,
+    and the block holding the table's uses as a unit is the loop's."""
+    torch.manual_seed(0)
+    model = Model(RelativePositionMLP()).to(dtype)
+    x = torch.randn(batch, 5, 4, dtype=dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'block.mlp.0' \(Linear\) was called "
+                           r"on the model's buffer 'block.coords' \(shape \(5, 5, 2\)\), which "
+                           r"every sample shares.*units="):
+            psh.compute_norms(model)
+    assert_grad1_matches_loop(model, [x], units=["block"])
+
+
+class LearnedQueries(nn.Module):
+    def __init__(self, queries: int = 3, width: int = 4):
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(queries, width))
+        self.project = nn.Linear(width, width)
+
+    def forward(self, x):
+        return (x @ self.project(self.queries).T).softmax(-1).sum(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_called_on_a_parameter_as_many_rows_as_samples_is_refused(dtype):
+    """(A trainable one is refused as a raw parameter passed to a child.)"""
+    torch.manual_seed(0)
+    model = LearnedQueries().to(dtype)
+    model.queries.requires_grad_(False)
+    with psh.add_hooks(model):
+        weighted_square(model(torch.randn(3, 2, 4, dtype=dtype))).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'project' \(Linear\) was called on "
+                           r"the model's parameter 'queries' \(shape \(3, 4\)\)"):
+            psh.compute_grad1(model)
+
+
+class ExpandedPositions(nn.Module):
+    """transformers' way: positions from a buffer ``[1, max]``, expanded over the batch (a
+    stride-0 view of the buffer: the batch's rows, not a shared table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(8)[None], persistent=False)
+        self.register_buffer("flat_positions", torch.arange(8), persistent=False)
+        self.positions = nn.Embedding(8, 4)
+        self.tokens = nn.Embedding(10, 4)
+
+    def forward(self, ids, expand: bool):
+        batch, length = ids.shape
+        positions = self.position_ids[:, :length]
+        if expand:
+            positions = positions.expand(batch, length)
+        return self.tokens(ids) + self.positions(positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,expand", [(3, True), (3, False), (1, False)])
+def test_positions_from_a_buffer_of_the_batch_are_no_shared_table(batch, expand, dtype):
+    """A view of a buffer expanded over the batch, or of size 1 there (broadcast), is not taken
+    for a table every sample shares."""
+    torch.manual_seed(0)
+    model = ExpandedPositions().to(dtype)
+    assert_grad1_matches_loop(model, [torch.randint(0, 10, (batch, 5)), expand])
