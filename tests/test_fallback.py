@@ -926,3 +926,60 @@ def test_a_unit_that_changes_a_parameter_in_place_is_refused_naming_it(dtype):
         with pytest.raises(psh.PerSampleHooksError, match=r"Decaying: its forward changes its "
                            r"parameter 'scale' in place"):
             psh.compute_grad1(model)
+
+
+class BatchNormByFormula(nn.BatchNorm2d):
+    """Eval-mode BatchNorm2d written out: the ground truth's, since torch's CPU kernel is wrong
+    for the loop's one-sample gradients below."""
+
+    def forward(self, x):
+        shape = (1, -1, 1, 1)
+        scale = self.weight / (self.running_var + self.eps).sqrt()
+        return (x - self.running_mean.view(shape)) * scale.view(shape) + self.bias.view(shape)
+
+
+class ValueBranch(nn.Sequential):
+    def forward(self, x):
+        x = self[0](x)
+        if x.sum() > -1e9:  # a branch on values: vmap cannot batch it (the loop over samples)
+            x = x * 1
+        return self[1](x)
+
+
+class PatchEmbedding(nn.Module):
+    """Conv + eval BatchNorm, flattened to tokens (timm XCiT's ConvPatchEmbed): the gradient
+    reaching the BatchNorm is a channels-last view, and one sample's has the batch stride C."""
+
+    def __init__(self, stem: type[nn.Sequential], norm: type[nn.BatchNorm2d]):
+        super().__init__()
+        self.proj = stem(nn.Conv2d(3, 4, 3, 2, 1, bias=False), norm(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.proj(x).flatten(2).transpose(1, 2)[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("units", [["proj"], [""]])
+@pytest.mark.parametrize("stem", [nn.Sequential, ValueBranch])
+def test_a_unit_with_an_eval_batch_norm_under_a_channels_last_gradient(stem, units, dtype):
+    """Re-run under vmap and one sample at a time (where torch's batch_norm backward misreads
+    such a gradient: per-sample gradients 170% off, refused by the sum check as coupling)."""
+    torch.manual_seed(0)
+    model = PatchEmbedding(stem, nn.BatchNorm2d).eval()
+    with torch.no_grad():
+        norm = model.proj[1]
+        norm.running_mean.normal_(), norm.running_var.uniform_(0.5, 2), norm.weight.normal_()
+    truth = PatchEmbedding(stem, BatchNormByFormula).double().eval()
+    truth.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 8, 8)
+    expected = loop_grads(truth, [x.double()], weighted_square, 4)
+    model, x = model.to(dtype), x.to(dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "PatchEmbedding|ValueBranch, a unit")
+        with psh.add_hooks(model, units=units):
+            weighted_square(model(x)).mean().backward()
+            psh.compute_grad1(model)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1.double(), expected[name],
+                                           **loop_tolerance(dtype))

@@ -40,6 +40,7 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import Call, not_recorded, summed_passes
@@ -467,10 +468,12 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
             raise
         except (RuntimeError, ValueError, TypeError) as error:
             failure = error
+        norms = any(isinstance(m, nn.modules.batchnorm._NormBase) for m in module.modules())
         try:
-            return (*_one_sample_at_a_time(partial(rerun, differentiate=_autograd_vjp),
-                                           flat_args, in_dims, cotangents, out_specs,
-                                           layout.batch_size), failure)
+            with ContiguousBatchNormGradients() if norms else contextlib.nullcontext():
+                return (*_one_sample_at_a_time(partial(rerun, differentiate=_autograd_vjp),
+                                               flat_args, in_dims, cotangents, out_specs,
+                                               layout.batch_size), failure)
         except PerSampleHooksError:
             raise
         except (RuntimeError, ValueError, TypeError) as error:
@@ -531,6 +534,19 @@ def _autograd_vjp(fn: Callable[[dict[str, Tensor]], list[Tensor]], primals: dict
         return ({n: torch.zeros_like(p) if g is None else g
                  for (n, p), g in zip(leaves.items(), grads)},)
     return [o.detach() for o in out], pullback
+
+
+class ContiguousBatchNormGradients(TorchDispatchMode):
+    """Hands ``batch_norm``'s backward (BatchNorm's, InstanceNorm's) a contiguous output
+    gradient. torch's CPU kernel reads one of batch size 1 wrongly when its strides are a
+    channels-last view's with the batch dim's stride C (a patch embedding's ``flatten(2)
+    .transpose(1, 2)`` gives that one sample's gradient): per-sample gradients 100% off, in a
+    plain loop over samples too (``vmap`` hands it the whole batch)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.native_batch_norm_backward.default:
+            args = (args[0].contiguous(), *args[1:])
+        return func(*args, **(kwargs or {}))
 
 
 def _one_sample_at_a_time(rerun: Callable, values: list, in_dims: list, grads: list[Tensor],
