@@ -95,6 +95,11 @@ curvlinops KFAC     as ours with                        expand and reduce as our
 Operator)           (ones appended); by default the     ``A`` keeps ``1/N`` for a sum loss too
                     bias is its own block ``[G]``
 ==================  ==================================  ======================================
+
+A loss of ``T`` terms per sample (a sequence's tokens, averaged): curvlinops' ``TYPE2``
+(``num_per_example_loss_terms=T``) is the GGN that ``backprop_hess(..., n_samples=m,
+weights=1/T)`` estimates; the empirical-Fisher ``G`` here, of per-sample gradients, is ``1/T``
+of curvlinops' ``EMPIRICAL``, which takes each token's gradient as a sample's.
 """
 from __future__ import annotations
 
@@ -202,7 +207,8 @@ def graph_leaves(output: Tensor) -> list[Tensor]:
 
 def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = "mean",
                   n_samples: int | None = None, generator: torch.Generator | None = None,
-                  retain_graph: bool = False, edges: OutputEdges | None = None) -> None:
+                  weights: Tensor | None = None, retain_graph: bool = False,
+                  edges: OutputEdges | None = None) -> None:
     """Backpropagate a square root of the loss Hessian w.r.t. ``output``, so that the hooks
     capture one output gradient per pass (``Call.backprops``) for :func:`compute_hess`,
     :func:`compute_kfac` and the second moments.
@@ -214,6 +220,15 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     (``n_samples=m``): ``m`` passes of the loss gradients for targets sampled from the model's
     predictive distribution (``output [B, *, o]``, positions summed per sample), divided by
     ``sqrt(m)``; unbiased for the Fisher, which equals the GGN for these two losses.
+
+    ``weights``: each position's share of its sample's loss, ``[B, *]`` (broadcast to
+    ``output.shape[:-1]``, non-negative): ``l_i = sum_t w_it loss(y_it)``; the default 1 sums
+    the positions. A sequence model's loss averages them (``1/T``, as the empirical Fisher's
+    gradients do), and gives padded or ``ignore_index`` positions 0:
+    ``mask / mask.sum(1, keepdim=True)`` for each sample's mean over its labelled tokens;
+    ``mask * B / mask.sum()`` for transformers' mean over the batch's labelled tokens. Each
+    position's seeds are multiplied by ``sqrt(w_it)``. With ``output [B, o]``: each sample's
+    weight.
 
     Each pass is seeded with ``1/B`` (``loss_type="mean"``) or 1 (``"sum"``) times the
     per-sample columns, exactly as an ordinary backward of that loss scales output gradients;
@@ -239,15 +254,20 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
                                   "forward with grad enabled")
     if n_samples is None:
         if output.dim() != 2:
-            raise ValueError("backprop_hess: the exact Hessian square root needs an output "
-                             f"[batch, classes], got shape {tuple(output.shape)}; flatten the "
-                             "positions into the batch or use n_samples= (Monte-Carlo)")
+            raise ValueError(
+                "backprop_hess: the exact Hessian square root needs an output [batch, "
+                f"classes], got shape {tuple(output.shape)}: a sequence's would take a pass "
+                "per position and class. Use n_samples= (the Monte-Carlo Fisher; weights= "
+                "for each position's share of its sample's loss, 0 where padded). Flattening "
+                "the positions into the batch does not do: the hooks' samples stay the "
+                "model's, and each pass would mix a sample's positions")
         seeds = hessian_sqrt_columns(output, hess_type)
     else:
         if not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"backprop_hess: n_samples must be an int >= 1, got {n_samples!r}")
         seeds = sampled_gradients(output, hess_type, n_samples, generator)
     factor = 1.0 / output.shape[0] if loss_type == "mean" else 1.0
+    roots = None if weights is None else _weight_roots(weights, output)
     recorded = edges.take() if edges is not None else []
     if recorded and edges.check_due():
         recorded = []
@@ -255,7 +275,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     if not recorded and not leaves:
         raise PerSampleHooksError("backprop_hess: output depends on no tensor that requires "
                                   "grad")
-    seeds = list(seeds)
+    seeds = [seed if roots is None else seed.mul_(roots) for seed in seeds]
     before = edges.captured_passes() if recorded else 0
     states = live_states()  # the hooked models its passes reach get them counted
     held = [state.captured_passes() for state in states]
@@ -285,6 +305,23 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
             "backprop_hess: no output that edges recorded is reached from output (edges of "
             "another model, or of an earlier forward?): pass the OutputEdges of the model that "
             "computed output, made before its forward")
+
+
+def _weight_roots(weights: Tensor, output: Tensor) -> Tensor:
+    """``sqrt(weights)`` broadcast to ``output.shape[:-1]``, with a trailing 1 for the classes."""
+    if not isinstance(weights, Tensor):
+        raise TypeError(f"backprop_hess: weights must be a tensor, got {type(weights).__name__}")
+    positions = output.shape[:-1]
+    try:
+        weights = weights.detach().to(output.dtype).expand(positions)
+    except RuntimeError:
+        raise ValueError(f"backprop_hess: weights of shape {tuple(weights.shape)} do not "
+                         f"broadcast to the output's positions {tuple(positions)} (its shape "
+                         "but the last, class dim)") from None
+    if bool((weights < 0).any()):
+        raise ValueError("backprop_hess: weights must be non-negative (each position's share "
+                         "of its sample's loss)")
+    return weights.sqrt().unsqueeze(-1)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -332,7 +332,8 @@ class KFAC:
 
     def backprop_hess(self, output: Tensor, hess_type: HessType, *,
                       n_samples: int | None = None,
-                      generator: torch.Generator | None = None) -> None:
+                      generator: torch.Generator | None = None,
+                      weights: Tensor | None = None) -> None:
         """On an update step, read Gauss-Newton / Fisher factors now: ``backprop_hess(output,
         hess_type)`` (graph kept for the loss's backward) then the factors. Call it on the
         step's fresh ``output`` before ``loss.backward()``; ``step()`` then reads no factors.
@@ -340,7 +341,8 @@ class KFAC:
 
         ``hess_type``: ``"CrossEntropy"`` or ``"LeastSquares"`` (per-sample ``0.5|y - t|^2``);
         ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
-        ``o`` passes (see :func:`per_sample_hooks.curvature.backprop_hess`).
+        ``o`` passes; ``weights``: each position's share of its sample's loss, 0 where
+        padded (see :func:`per_sample_hooks.curvature.backprop_hess`).
 
         From the second call on, the passes stop at the hooked layers' outputs
         (``backprop_hess(..., edges=)``, recorded in every forward from the first call on) and
@@ -355,7 +357,8 @@ class KFAC:
         if self.edges is None:  # records from the next forward on: this pass goes to the leaves
             self.edges = OutputEdges(self.model)
         backprop_hess(output, hess_type, loss_type=self.loss_type, n_samples=n_samples,
-                      generator=generator, retain_graph=True, edges=self.edges)
+                      generator=generator, weights=weights, retain_graph=True,
+                      edges=self.edges)
         self.update_factors(self.read_factors(self.model))
         clear_backprops(self.model)
         self.read_this_step = True

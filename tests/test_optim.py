@@ -234,6 +234,28 @@ def test_running_average_and_update_frequency():
         layer.__dict__.get(psh.capture.STATE_ATTRIBUTE) is None
 
 
+def test_backprop_hess_takes_position_weights():
+    """A token model's Monte-Carlo factors with padded positions weighted 0: those of
+    ``psh.backprop_hess`` with the same weights and draws (not the unweighted ones)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)).double()
+    x, mask = torch.randn(3, 4, 4, dtype=torch.double), torch.rand(3, 4) > 0.3
+    read = []
+    precond = KFAC(model, factors=lambda m: read.append(compute_kfac(m)) or read[-1])
+    expected = {}
+    for weights in (mask, None):
+        reference = copy.deepcopy(model)
+        with psh.add_hooks(reference):
+            psh.backprop_hess(reference(x), "CrossEntropy", n_samples=2, weights=weights,
+                              generator=torch.Generator().manual_seed(1))
+            expected[weights is None] = compute_kfac(reference)[reference[2]][1]
+    precond.backprop_hess(model(x), "CrossEntropy", n_samples=2, weights=mask,
+                          generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(read[0][model[2]][1], expected[False], rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(expected[True], expected[False])
+    precond.close()
+
+
 @pytest.mark.parametrize("update_freq", [1, 2])
 def test_backprop_hess_passes_stop_at_the_outputs_after_the_checked_steps(update_freq):
     """The first two ``backprop_hess`` go to the leaves (parameter gradients, for the
