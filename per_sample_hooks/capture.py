@@ -559,6 +559,8 @@ class StepStatus:
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
     # loss' Hessian square root: the curvature keeps them apart; other passes add up)
     hess_passes: int = 0
+    # the rows (dim 0) of the output backprop_hess seeded: each sample's loss Hessian
+    hess_rows: int | None = None
     # storage address -> (kind, name) of the model's parameters and buffers, formed the first
     # time in the step that a call's input may be one of them (:attr:`Call.shared_input`)
     model_tensors: dict[int, tuple[str, str]] | None = None

@@ -300,6 +300,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     for state, count in zip(states, held):
         if state.captured_passes() != count:
             state.status.hess_passes += len(seeds)
+            state.status.hess_rows = output.shape[0]
     if recorded and edges.captured_passes() == before:  # autograd skips unreachable inputs
         raise PerSampleHooksError(
             "backprop_hess: no output that edges recorded is reached from output (edges of "

@@ -265,6 +265,13 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     if not grouped:
         _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
                                           batch_size, sizes[batch_size], caller)
+    if status.hess_passes and status.hess_rows != batch_size:
+        raise PerSampleHooksError(
+            f"{caller}: backprop_hess was given an output of {status.hess_rows} rows, but the "
+            f"hooked layers saw {batch_size} samples ('{sizes[batch_size]}'...): each row's "
+            "loss Hessian would be taken as a sample's. Give it the model's output with the "
+            "samples at dim 0; for positions ([B, T, o], not flattened into the batch) use "
+            "n_samples= with weights=")
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale, status.hess_passes)

@@ -484,6 +484,21 @@ def test_exact_gauss_newton_of_a_weighted_loss(hess_type: str, dtype: torch.dtyp
                                        **loop_tolerance(dtype))
 
 
+def test_an_output_with_positions_flattened_into_the_batch_is_refused() -> None:
+    """``[B * T, o]``: each pass mixed a sample's positions (compute_hess 83% off, factors
+    ``1/T``); refused, and the next step is clean."""
+    model, x, _ = token_model()
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x).flatten(0, 1), "CrossEntropy")
+        for compute in (psh.compute_hess, psh.compute_kfac):
+            with pytest.raises(PerSampleHooksError, match=r"backprop_hess was given an output "
+                               r"of 12 rows, but the hooked layers saw 3 samples.*weights="):
+                compute(model)
+            psh.backprop_hess(model(x[:, 0]), "CrossEntropy")
+            compute(model)
+            psh.backprop_hess(model(x).flatten(0, 1), "CrossEntropy")
+
+
 def test_position_weights_are_checked() -> None:
     model, x, mask = token_model()
     with psh.add_hooks(model):
