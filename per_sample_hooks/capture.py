@@ -421,6 +421,8 @@ class BroadcastOutput(Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         views = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, BroadcastOutput)]
+        if args and isinstance(args[0], BroadcastOutput) and not kwargs:
+            args = _repeated_once_per_sample(_op_name(func), args)
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 result = func(*args, **kwargs)
@@ -438,6 +440,21 @@ class BroadcastOutput(Tensor):
                         for t in tree_flatten(result)[0]):
                     status.broadcast_misuse = status.broadcast_misuse or (module, name)
         return result
+
+
+def _repeated_once_per_sample(name: str, args: tuple) -> tuple:
+    """``view.repeat(B, ...)`` (``tile``): the model repeats its size-1 output over the batch
+    (timm XCiT's positional encoding); already expanded, the view is repeated once there."""
+    if name not in ("repeat", "tile") or len(args) < 2:
+        return args
+    view, sizes = args[0], args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    _, dim, batch, _ = view.expanded
+    at = len(sizes) - view.dim() + dim
+    if not 0 <= at < len(sizes) or sizes[at] != batch:
+        return args
+    return view, (*sizes[:at], 1, *sizes[at + 1:])
 
 
 def _picks_batch_rows(name: str, args: tuple, kwargs: dict, view: Tensor, dim: int) -> bool:

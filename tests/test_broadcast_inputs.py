@@ -66,6 +66,27 @@ class PositionsCalledWithTheBatch(BroadcastPositions):
         return self.out(torch.tanh(self.tokens(ids) + positions))
 
 
+class RepeatedPositions(nn.Module):
+    """timm XCiT's positional encoding: a conv on a coordinate grid of batch 1, its output
+    repeated over the batch by the model (hooked, it is expanded already: repeated once)."""
+
+    def __init__(self, repeat: str = "repeat"):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 4, 4, 4)
+        self.positions = nn.Conv2d(2, 4, 1)
+        self.out = nn.Linear(4, 3)
+        self.repeat = repeat
+
+    def forward(self, x):
+        batch, (height, width), tokens = x.shape[0], x.shape[2:], self.embed(x)
+        grid = torch.stack(torch.meshgrid(torch.arange(height / 4), torch.arange(width / 4),
+                                          indexing="ij"))[None].to(x.dtype)
+        positions = self.positions(grid)
+        positions = positions.repeat(batch, 1, 1, 1) if self.repeat == "repeat" else \
+            torch.tile(positions, (batch, 1, 1, 1))
+        return self.out((tokens + positions).tanh().mean((2, 3)))
+
+
 CASES = {
     "positions": (BroadcastPositions, lambda g: [torch.randint(0, 9, (5, 6), generator=g)]),
     "positions-in-place": (lambda: BroadcastPositions(in_place=True),
@@ -73,6 +94,9 @@ CASES = {
     "shared-query": (SharedQuery, lambda g: [torch.randn(5, 3, 4, generator=g)]),
     "positions-called-with-the-batch": (PositionsCalledWithTheBatch,
                                         lambda g: [torch.randint(0, 9, (5, 6), generator=g)]),
+    "repeated-positions": (RepeatedPositions, lambda g: [torch.randn(5, 3, 8, 8, generator=g)]),
+    "tiled-positions": (lambda: RepeatedPositions("tile"),
+                        lambda g: [torch.randn(5, 3, 8, 8, generator=g)]),
 }
 
 
@@ -87,11 +111,14 @@ def test_broadcast_calls_match_the_loop(case, loss_type):
     assert_clipping_matches(model, x, max_grad_norm=0.2, loss_type=loss_type)
 
 
-@pytest.mark.parametrize("make", [BroadcastPositions, PositionsCalledWithTheBatch])
-def test_float32_matches_the_loop(make):
+@pytest.mark.parametrize("case", ["positions", "positions-called-with-the-batch",
+                                  "repeated-positions"])
+def test_float32_matches_the_loop(case):
+    make, inputs = CASES[case]
     torch.manual_seed(0)
-    model, ids = make(), torch.randint(0, 9, (5, 6))
-    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 5)
+    model, (ids,) = make(), inputs(seeded(1))
+    expected = loop_grads(copy.deepcopy(model).double(), [ids if ids.dtype == torch.long else
+                                                          ids.double()], weighted_square, 5)
     psh.add_hooks(model)
     weighted_square(model(ids)).mean().backward()
     psh.compute_grad1(model)
