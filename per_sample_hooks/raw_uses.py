@@ -59,11 +59,13 @@ broadcasting it over the samples.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -113,6 +115,17 @@ def _transposed_parameter(value: Derived) -> str | None:
                 {d % 2 for d in dims} == {0, 1}:  # not transpose(0, 0)
             return source.name
     return None
+
+NORMS = frozenset({F.batch_norm, F.group_norm, F.layer_norm, F.instance_norm})
+"""Normalizations with the batch in their input and raw parameters as their affine weight or
+bias (timm's BatchNormAct2d, GroupNormAct, LayerNormAct2d): run without them, then
+``x_hat * weight + bias``, two elementwise use sites (the same values, up to rounding)."""
+
+BATCH_STATISTICS = (
+    "normalizes with batch statistics (`batch_norm` in training mode or without running "
+    "statistics): they mix the samples of the batch, so per-sample gradients are undefined for "
+    "it and for every layer below it. Call model.eval() so that it uses its running statistics "
+    "(exact per sample), or replace it with a GroupNorm (per-sample statistics)")
 
 REPEAT = _functions("repeat")
 EXPANDS = _functions("expand", "expand_as", "broadcast_to")
@@ -243,6 +256,8 @@ class Uses:
     (None: every use was seen)."""
     sites: list[Site | LinearSite]
     problem: str | None = None
+    #: the problem is statistics over the batch (no unit makes per-sample gradients of it)
+    mixes_samples: bool = False
     #: for a call with no tensor input (``latents.expand(batch_size, -1, -1)``, Perceiver's
     #: embeddings): the size at batch_dim of its first expand of a derived value
     batch_size: int | None = None
@@ -339,6 +354,10 @@ class _Forward:
             return func(*args, **kwargs)
         if batched and (func in LINEAR or func in MATMUL):
             out = self.linear_site(func, args, kwargs)
+            if out is not None:
+                return out
+        if batched and func in NORMS:
+            out = self.norm_site(func, args, kwargs)
             if out is not None:
                 return out
         if (func in ELEMENTWISE and batched) or func in EXPANDS or func in REPEAT:
@@ -459,6 +478,33 @@ class _Forward:
         self.record.sites.append(site)
         self.batched[id(out)] = out
         return out
+
+    def norm_site(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
+        """A normalization (:data:`NORMS`) of the batch with raw parameters as its weight or
+        bias, neither batched: normalized without them, then ``* weight + bias`` through
+        :meth:`apply` (use sites of the per-channel, or ``normalized_shape``, values). None
+        (not run) for anything else; batch statistics are refused."""
+        try:
+            bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        except TypeError:
+            return None  # the op itself will say what is wrong
+        weight, bias = bound.pop("weight", None), bound.pop("bias", None)
+        if id(bound.get("input")) not in self.batched or any(
+                id(t) in self.batched for t in (weight, bias) if isinstance(t, Tensor)):
+            return None
+        if func is F.batch_norm and (bound.get("training") or
+                                     bound.get("running_mean") is None):
+            self.refuse(BATCH_STATISTICS)
+            self.record.mixes_samples = True
+            return None
+        x = func(**bound)
+        self.batched[id(x)] = x
+        shape = tuple(bound["normalized_shape"]) if func is F.layer_norm else \
+            (-1, *[1] * (x.dim() - 2))  # per channel, at dim 1
+        for value, op in ((weight, torch.mul), (bias, torch.add)):
+            if value is not None:
+                x = self.apply(op, (x, self.apply(Tensor.reshape, (value, shape), {})), {})
+        return x
 
     def derive(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         """Run an op of derived values and constants; its outputs that require grad are

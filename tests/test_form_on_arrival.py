@@ -247,9 +247,9 @@ def test_leaves_with_raw_parameters_formed_or_kept_stay_exact(dtype):
     """A leaf with raw parameters whose call is re-run by the torch.func fallback is formed on
     arrival (the re-run inside the backward); one whose uses are followed keeps its record
     (its watched sites' gradients arrive after its output's)."""
-    from test_raw_parameters import HandNorm, LayerNormCall
+    from test_raw_parameters import EinsumNorm, HandNorm
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 6), LayerNormCall(6), nn.Tanh(), HandNorm(6),
+    model = nn.Sequential(nn.Linear(3, 6), EinsumNorm(6), nn.Tanh(), HandNorm(6),
                           nn.Linear(6, 2)).to(dtype)
     inputs = [torch.randn(4, 5, 3, dtype=dtype)]
 

@@ -170,9 +170,9 @@ class LeafScale(nn.Module):
 
 
 class HandNorm(nn.Module):
-    """A normalization written by hand (RMS, then a weight); ``layer=True`` calls
-    ``F.layer_norm`` with the weight instead, a use that is not followed: that call is re-run by
-    the torch.func fallback."""
+    """A normalization written by hand (RMS, then a weight); ``layer=True`` applies the weight
+    to ``F.layer_norm``'s output by ``einsum`` instead, a use that is not followed: that call is
+    re-run by the torch.func fallback."""
 
     def __init__(self, d: int = 4):
         super().__init__()
@@ -180,7 +180,7 @@ class HandNorm(nn.Module):
 
     def forward(self, x: Tensor, layer: bool = False) -> Tensor:
         if layer:
-            return F.layer_norm(x, x.shape[-1:], self.weight)
+            return torch.einsum("...d,d->...d", F.layer_norm(x, x.shape[-1:]), self.weight)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
 
 
@@ -242,7 +242,7 @@ class MatmulUses(nn.Module):
             + h @ self.w_dims.transpose(dim0=-1, dim1=-2)
 
 
-class LayerNormCall(HandNorm):
+class EinsumNorm(HandNorm):
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x, layer=True)
 
@@ -281,8 +281,54 @@ LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
           "custom_linear": lambda: nn.Sequential(CustomLinear(3, 4), nn.Tanh(),
                                                  CustomLinear(4, 2, bias=False)),
           "hand_norm": lambda: nn.Sequential(HandNorm(3), nn.Linear(3, 4)),
-          "layer_norm_call": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh(), LayerNormCall(3)),
+          "einsum_norm": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh(), EinsumNorm(3)),
           "two_ways": lambda: nn.Sequential(nn.Linear(3, 4), TwoWays(4))}
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's: a BatchNorm2d subclass with its own forward (``F.batch_norm`` of its raw
+    parameters) and parameterless children; so are GroupNormAct and LayerNormAct2d."""
+
+    def __init__(self, channels: int):
+        super().__init__(channels)
+        self.drop, self.act = nn.Identity(), nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        training = self.training or self.running_mean is None
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         training, self.momentum, self.eps)
+        return self.act(self.drop(x))
+
+
+class GroupNormAct(nn.GroupNorm):
+    def __init__(self, channels: int):
+        super().__init__(2, channels)
+        self.act = nn.SiLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
+
+
+class LayerNormAct2d(nn.LayerNorm):
+    def __init__(self, channels: int):
+        super().__init__(channels)
+        self.act = nn.GELU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
+                         self.eps).permute(0, 3, 1, 2)
+        return self.act(x)
+
+
+def norm_act_net(norm: type[nn.Module]) -> nn.Module:
+    """A conv, a NormAct layer with trained-looking statistics and affine values, a head."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, 2, 1), norm(4), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 3))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5), model[1].bias.normal_()
+        if isinstance(model[1], nn.BatchNorm2d):
+            model[1].running_mean.normal_(), model[1].running_var.uniform_(0.5, 2)
+    return model.eval()
 
 
 def images(batch: int) -> list[Tensor]:
@@ -341,6 +387,8 @@ def frozen_cls_token() -> ViTLike:
 
 
 CASES["frozen"] = (frozen_cls_token, images)
+for _norm in (BatchNormAct2d, GroupNormAct, LayerNormAct2d):
+    CASES[_norm.__name__] = (lambda norm=_norm: norm_act_net(norm), images)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -892,6 +940,16 @@ def test_a_module_called_in_a_loop_gives_one_summed_form_per_parameter(dtype):
     torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
 
 
+def test_a_norm_act_layer_with_batch_statistics_is_refused_as_batch_norm_is():
+    """Not with a unit as the fix, which cannot help (the statistics mix the samples)."""
+    model = norm_act_net(BatchNormAct2d).train()
+    with psh.add_hooks(model):
+        weighted_square(model(*images(4))).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"^'1' \(BatchNormAct2d\) normalizes "
+                           r"with batch statistics .*model.eval\(\).*GroupNorm[^,]*$"):
+            psh.compute_grad1(model)
+
+
 def test_which_calls_are_rerun(monkeypatch):
     """A followed call never reaches the torch.func fallback; an unfollowed one does, once."""
     from per_sample_hooks.rules import fallback
@@ -904,7 +962,7 @@ def test_which_calls_are_rerun(monkeypatch):
 
     monkeypatch.setattr(fallback, "call_grad1", counted)
     for leaf, expected in [("scale", []), ("hand_norm", []), ("custom_linear", []),
-                           ("two_ways", ["HandNorm"]), ("layer_norm_call", ["LayerNormCall"])]:
+                           ("two_ways", ["HandNorm"]), ("einsum_norm", ["EinsumNorm"])]:
         reran.clear()  # (a checked step's hooked sums would re-run them once more)
         assert_matches_loop(LEAVES[leaf](), [torch.randn(4, 3)], check_unseen=False)
         assert reran == expected, leaf

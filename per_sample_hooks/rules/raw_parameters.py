@@ -107,6 +107,8 @@ class RawParameterRule(Rule):
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         for call in calls:
             uses = _uses(call)
+            if uses.mixes_samples:
+                raise PerSampleHooksError(f"'{name}' ({type(module).__name__}) {uses.problem}")
             if uses.problem is not None:
                 raise PerSampleHooksError(
                     f"'{name}' ({type(module).__name__}) {uses.problem}. Its per-sample "
