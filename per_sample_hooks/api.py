@@ -193,7 +193,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         label = name or type(model).__name__
         rule = None if module in forced else registry.lookup(module)
         reparametrized = None if module in forced else reparametrization(
-            module, rule and rule.parameter_names, rule is not None and rule.covers_children)
+            module, rule and rule.own_parameter_names(module),
+            rule is not None and rule.covers_children)
         if reparametrized is not None and any(p.requires_grad for p in module.parameters()):
             # only its forward sees how its weight is computed: one unit of the fallback
             if not fallback:

@@ -195,6 +195,46 @@ def test_a_parameter_added_to_a_layer_makes_it_a_unit(dtype: torch.dtype) -> Non
     assert_quantities_match(got, truth, x, "mean", 0.05, dtype)
 
 
+class Recurrent(nn.Module):
+    """An LSTM or GRU (whose parameter names depend on its layers and directions) with a
+    weight-normed recurrent weight."""
+
+    def __init__(self, rnn: type[nn.RNNBase], kind: str) -> None:
+        super().__init__()
+        self.rnn = rnn(3, 4, num_layers=2, batch_first=True, bidirectional=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the deprecated ones say so
+            KINDS[kind](self.rnn, "weight_hh_l1_reverse")
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["weight_norm", "deprecated weight_norm"])
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
+def test_a_reparametrized_recurrent_layer_is_a_unit(rnn: type[nn.RNNBase], kind: str,
+                                                    dtype: torch.dtype) -> None:
+    """The deprecated weight_norm's weight_hh_l1_reverse_g and _v were left to the recurrent
+    rule, which never wrote their grad1 (uninitialized memory returned; norms crashed)."""
+    torch.manual_seed(0)
+    model = Recurrent(rnn, kind).to(dtype)
+    x = torch.randn(BATCH, 4, 3, generator=seeded(2)).to(dtype)
+    state = psh.add_hooks(model)
+    try:
+        assert [state.modules[u][0] for u in state.units] == ["rnn"]
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    grads = loop_norms(model.double(), [x.double()], weighted_square, "mean")[2]
+    assert got.keys() == grads.keys()
+    for n in grads:
+        torch.testing.assert_close(got[n], grads[n], **loop_tolerance(dtype), msg=n)
+
+
 class Attention(nn.Module):
     """nn.MultiheadAttention (whose rule covers its out_proj) with a weight-normed out_proj."""
 

@@ -48,6 +48,11 @@ class Rule:
     #: (:mod:`per_sample_hooks.reparametrized`).
     parameter_names: frozenset[str] | None = None
 
+    def own_parameter_names(self, module: nn.Module) -> frozenset[str] | None:
+        """:attr:`parameter_names` for ``module`` (a rule whose names depend on the layer's
+        configuration, as a recurrent layer's, gives them here)."""
+        return self.parameter_names
+
     #: The weight's forms are ``Outer(output gradients, layer inputs)``, one per call, with any
     #: bias's ``Outer(output gradients)``: Kronecker factors (KFAC) are their second moments
     #: (``forms.kronecker.weight_factors``).

@@ -365,6 +365,9 @@ class RecurrentRule(Rule):
 
     forms_rerun = True
 
+    def own_parameter_names(self, module: nn.RNNBase) -> frozenset[str]:
+        return frozenset(module._flat_weights_names)
+
     def batch_size(self, module: nn.RNNBase, call: Call) -> int:
         data = _argument(call, 0, "input")
         if isinstance(data, PackedSequence):
