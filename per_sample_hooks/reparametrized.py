@@ -54,6 +54,15 @@ def reparametrization(module: nn.Module, known: frozenset[str] | None,
     return None
 
 
+def iterating_spectral_norms(module: nn.Module) -> list[str]:
+    """The modules in ``module`` whose spectral norm runs a power iteration in each forward
+    (training mode): each call of them uses vectors of its own."""
+    return [name or type(module).__name__ for name, sub in module.named_modules()
+            if isinstance(sub, _SPECTRAL_PARAMETRIZATIONS) and sub.training
+            or sub.training and any(isinstance(hook, SpectralNorm)
+                                    for hook in sub._forward_pre_hooks.values())]
+
+
 @contextlib.contextmanager
 def power_iterations_off(module: nn.Module) -> Iterator[None]:
     """Spectral norms in ``module`` (``parametrizations.spectral_norm`` and the deprecated
@@ -88,4 +97,5 @@ class _SpectralNormWithoutIteration:
                 self.hook.compute_weight(module, do_power_iteration=False))
 
 
-__all__ = ["is_parametrized", "power_iterations_off", "reparametrization"]
+__all__ = ["is_parametrized", "iterating_spectral_norms", "power_iterations_off",
+           "reparametrization"]

@@ -235,6 +235,42 @@ def test_a_reparametrized_recurrent_layer_is_a_unit(rnn: type[nn.RNNBase], kind:
         torch.testing.assert_close(got[n], grads[n], **loop_tolerance(dtype), msg=n)
 
 
+class UsedTwice(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.square = KINDS[kind](nn.Linear(6, 6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.square(torch.tanh(self.square(x))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["spectral_norm", "deprecated spectral_norm"])
+def test_a_spectral_norm_called_twice_in_training_mode_is_refused(kind: str,
+                                                                   dtype: torch.dtype) -> None:
+    """Each call iterates: the re-run had the second call's vectors for both (float32: 1e-4
+    off, no error; float64: refused as batch dependence). In eval mode: exact."""
+    model = UsedTwice(kind).to(dtype)
+    x = torch.randn(BATCH, 6, generator=seeded(2)).to(dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(PerSampleHooksError, match=r"'square' \(\w+\) was called 2 times in "
+                           r"the step with a spectral norm in training mode"):
+            psh.compute_grad1(model)
+    model.eval().zero_grad()
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    grads = loop_norms(model.double(), [x.double()], weighted_square, "mean")[2]
+    for n in grads:
+        torch.testing.assert_close(got[n], grads[n], **loop_tolerance(dtype), msg=n)
+
+
 class Attention(nn.Module):
     """nn.MultiheadAttention (whose rule covers its out_proj) with a weight-normed out_proj."""
 

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..capture import Call, not_recorded, summed_passes
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form
-from ..reparametrized import power_iterations_off
+from ..reparametrized import iterating_spectral_norms, power_iterations_off
 from .base import Rule
 from .normalization import batch_statistics_error, uses_batch_statistics
 
@@ -324,6 +324,14 @@ class FallbackRule(Rule):
             if isinstance(sub, nn.modules.batchnorm._BatchNorm) and \
                     uses_batch_statistics(sub, sub.training):
                 raise batch_statistics_error(sub, f"{name}.{sub_name}" if sub_name else name)
+        iterating = iterating_spectral_norms(module) if len(calls) > 1 else []
+        if iterating:
+            raise PerSampleHooksError(
+                f"'{name}' ({type(module).__name__}) was called {len(calls)} times in the step "
+                f"with a spectral norm in training mode ({', '.join(iterating)}): each call ran "
+                "a power iteration of its own, and the fallback's re-run per sample has the "
+                "last call's vectors only. Call it once per step, or put the spectral norm in "
+                "eval mode (its vectors are then fixed)")
         if any(call.training for call in calls):
             random = _random_modules(module)
             if random:
