@@ -123,11 +123,11 @@ class Call:
     def batch_size(self) -> int:
         if self.per_sample:
             return next(iter(self.per_sample.values())).shape[0]
-        for a in self.args:
+        for a in (*self.args, *self.kwargs.values()):  # (a model called by keywords)
             if isinstance(a, Tensor) and a.dim() > self.batch_dim:
                 return a.shape[self.batch_dim]
         for passes in self.grads:
-            if passes:
+            if passes and passes[0].dim() > self.batch_dim:
                 return passes[0].shape[self.batch_dim]
         raise PerSampleHooksError("cannot tell the batch size of a call with no tensor input")
 

@@ -940,6 +940,46 @@ def test_a_module_called_in_a_loop_gives_one_summed_form_per_parameter(dtype):
     torch.testing.assert_close(norms.double(), total, **tolerance(dtype))
 
 
+class WeightedLayerSum(nn.Module):
+    """transformers' ``use_weighted_layer_sum`` (Wav2Vec2, Whisper classification): a raw
+    ``layer_weights`` of the model itself, called by keywords, its loss computed inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        self.layer_weights = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.classifier = nn.Linear(3, 2)
+
+    def forward(self, *, input_values, labels):
+        states, hidden = [], input_values
+        for layer in self.layers:
+            hidden = torch.tanh(layer(hidden))
+            states.append(hidden)
+        weights = self.layer_weights.softmax(-1).view(-1, 1, 1)
+        pooled = (torch.stack(states, 1) * weights).sum(1).mean(1)
+        logits = self.classifier(pooled)
+        return F.cross_entropy(logits, labels), logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_model_called_by_keywords_that_returns_its_loss(dtype):
+    """Its batch size was read from its first output, the 0-dim loss: a bare IndexError."""
+    torch.manual_seed(0)
+    model = WeightedLayerSum().to(dtype)
+    x, labels = torch.randn(4, 5, 3, dtype=dtype), torch.randint(0, 2, (4,))
+    with psh.add_hooks(model):
+        model(input_values=x, labels=labels)[0].backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    reference = copy.deepcopy(model).double()
+    rows = [torch.autograd.grad(reference(input_values=x[i:i + 1].double(),
+                                          labels=labels[i:i + 1])[0], reference.parameters())
+            for i in range(4)]
+    expected = {n: torch.stack([row[k] for row in rows])
+                for k, (n, _) in enumerate(reference.named_parameters())}
+    assert_close(got, expected, dtype)
+
+
 def test_a_norm_act_layer_with_batch_statistics_is_refused_as_batch_norm_is():
     """Not with a unit as the fix, which cannot help (the statistics mix the samples)."""
     model = norm_act_net(BatchNormAct2d).train()
