@@ -20,7 +20,9 @@ size::
 what one process gets from ``per_sample_hooks.clip_grads`` on the concatenated batch:
 ``(1 / B_global) sum_i c_i g_i`` for ``loss_type="mean"`` (local batches may differ in size;
 a rank with an empty batch still runs forward, backward and ``clip_grads`` on a ``[0, ...]``
-batch: DDP and the all-reduce need every rank).
+batch: DDP and the all-reduce need every rank). A step ``clip_grads`` refuses on one rank (a
+layout of that rank's data) is refused on every rank, in the same all-reduce: none is left
+waiting in it (not yet under FSDP2, whose clipping communicates layer by layer).
 Instead of ``skip_gradient_allreduce`` a backward inside ``ddp.no_sync()`` (forward included)
 works too; without either, DDP's all-reduce runs and its result is overwritten (correct but
 wasted). Noise for DP-SGD must be the same on every rank (a generator seeded alike) or added
@@ -136,15 +138,21 @@ def all_reduce_weighted_mean(tensors: Iterable[Tensor], weight: float,
 
 
 def sum_across_ranks(tensors: list[Tensor], weight: float, count: float, divide: bool,
-                     group: dist.ProcessGroup | None = None) -> float:
+                     group: dist.ProcessGroup | None = None, refused: bool = False) -> float:
     """One all-reduce, in place: every tensor becomes the sum over ranks of ``weight * t``,
     divided by the summed ``count`` when ``divide`` (and that sum is positive). Returns the
-    summed ``count``."""
+    summed ``count``. ``refused``: this rank refused the step (its tensors are zeros); on
+    every other rank the step is refused too (raises), none left waiting in a collective."""
     dtype = tensors[0].dtype if tensors else torch.float64
     device = tensors[0].device if tensors else torch.device("cpu")
     flat = torch.cat([t.reshape(-1).to(dtype) * weight for t in tensors]
-                     + [torch.tensor([count], dtype=dtype, device=device)])
+                     + [torch.tensor([count, float(refused)], dtype=dtype, device=device)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if float(flat[-1]) > 0 and not refused:
+        raise PerSampleHooksError(
+            "another rank refused this step (its error says why); every rank stops with it, "
+            "so that none waits in a collective. Fix the cause, zero the gradients and go on")
+    flat = flat[:-1]
     total = float(flat[-1])
     if divide and total > 0:
         flat[:-1].div_(total)
@@ -210,7 +218,13 @@ def clip_and_reduce(model: nn.Module, max_grad_norm: MaxGradNorm, loss_type: Los
                     groups: Tensor | int | None = None) -> tuple[Tensor, int]:
     """:func:`clip_grads`, also returning the global batch size (of groups, with ``groups``)."""
     _check_initialized("distributed.clip_grads")
-    norms = clip_grads_local(model, max_grad_norm, loss_type, groups=groups)
+    try:
+        norms = clip_grads_local(model, max_grad_norm, loss_type, groups=groups)
+    except (PerSampleHooksError, ValueError, TypeError):
+        if not any(is_sharded(p) for p in _trainable(model)):  # (FSDP2: per-layer collectives)
+            sum_across_ranks(trainable_grads(model), 0.0, 0.0, divide=False, group=group,
+                             refused=True)
+        raise
     total = reduce_clipped(trainable_grads(model), len(norms), loss_type, group)
     return norms, total
 

@@ -260,8 +260,29 @@ def all_checks(rank: int) -> None:
         dpsgd_matches_one_process(rank, loss_type)
         grouped_clipping_matches_one_process(rank, loss_type)
     weighted_mean_helper(rank)
+    a_refusal_on_one_rank_stops_every_rank(rank)
     for dtype in (torch.float64, torch.float32):
         sparse_embedding_clipping(rank, dtype)
+
+
+def a_refusal_on_one_rank_stops_every_rank(rank: int) -> None:
+    """groups=2 with an odd local batch on rank 1 only: refused there, and rank 0 (which sat
+    in the all-reduce until gloo's timeout) refuses too; the next step is clean on both."""
+    ddp = DistributedDataParallel(make_model())
+    x = global_batch(0)
+    with psh.add_hooks(ddp):
+        backward(ddp, x[:3] if rank == 1 else x[:4], "mean")
+        with pytest.raises((psh.PerSampleHooksError, ValueError),
+                           match="must divide the batch" if rank == 1 else
+                           "another rank refused this step"):
+            psh.distributed.clip_grads(ddp, MAX_NORM, groups=2)
+        ddp.zero_grad(set_to_none=True)
+        backward(ddp, shard(x, rank), "mean")
+        psh.distributed.clip_grads(ddp, MAX_NORM)
+    grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    gathered = [torch.empty_like(grads) for _ in range(WORLD)]
+    dist.all_gather(gathered, grads)
+    torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)
 
 
 def sparse_embedding_clipping(rank: int, dtype: torch.dtype) -> None:
