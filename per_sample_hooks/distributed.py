@@ -93,7 +93,7 @@ from .capture import unwrap
 from .clipping import MaxGradNorm, threshold_argument
 from .curvature import KFACFactors
 from .errors import PerSampleHooksError
-from .norms import clip_grads as clip_grads_local
+from .norms import clip_grads_of_rank
 from .sharded import is_sharded
 
 
@@ -219,7 +219,7 @@ def clip_and_reduce(model: nn.Module, max_grad_norm: MaxGradNorm, loss_type: Los
     """:func:`clip_grads`, also returning the global batch size (of groups, with ``groups``)."""
     _check_initialized("distributed.clip_grads")
     try:
-        norms = clip_grads_local(model, max_grad_norm, loss_type, groups=groups)
+        norms = clip_grads_of_rank(model, max_grad_norm, loss_type, groups=groups)
     except (PerSampleHooksError, ValueError, TypeError):
         if not any(is_sharded(p) for p in _trainable(model)):  # (FSDP2: per-layer collectives)
             sum_across_ranks(trainable_grads(model), 0.0, 0.0, divide=False, group=group,

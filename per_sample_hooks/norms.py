@@ -12,6 +12,7 @@ from collections.abc import Callable, Container
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import forms
@@ -304,12 +305,13 @@ def _row_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
     return per_group[rows.ids.to(per_group.device)] * rows.weights.to(per_group)
 
 
-@with_full_values
-@torch.no_grad()
 def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
                release_records: bool = False, max_norm: float | None = None) -> Tensor:
     """After one ordinary backward, replace ``p.grad`` with the per-sample-clipped gradient.
+    (Of a DistributedDataParallel model in a process group of several ranks:
+    :func:`per_sample_hooks.distributed.clip_grads`, which sums over them; here each rank's
+    ``p.grad`` would be its own clipped mean and the replicas would drift apart. Refused.)
 
     ``p.grad = (1/B) sum_i c_i g_i`` (``loss_type="mean"``) or ``sum_i c_i g_i`` (``"sum"``) with
     ``g_i`` sample i's gradient and ``c_i = min(1, max_grad_norm / (|g_i| + 1e-6))``; ``|g_i|``
@@ -340,10 +342,29 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     norms formed its per-sample gradients keeps them (up to the size of its records) and drops
     its records right away, its clipped sum then a contraction.
     """
-    # stacklevel 5: threshold_argument, this, torch.no_grad's and with_full_values' wrappers,
-    # then the caller
+    if isinstance(model, nn.parallel.DistributedDataParallel) and dist.is_available() and \
+            dist.is_initialized() and dist.get_world_size() > 1:
+        with refusal_ends_step(model):
+            raise PerSampleHooksError(
+                "clip_grads on a DistributedDataParallel model clips this rank's samples only, "
+                "and its p.grad (DDP's all-reduced one overwritten) would differ from the other "
+                "ranks': the replicas would drift apart. Use "
+                "per_sample_hooks.distributed.clip_grads (one all-reduce of the clipped sums)")
+    return clip_grads_of_rank(model, max_grad_norm, loss_type, groups=groups,
+                              release_records=release_records, max_norm=max_norm)
+
+
+@with_full_values
+@torch.no_grad()
+def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
+                       loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
+                       release_records: bool = False, max_norm: float | None = None) -> Tensor:
+    """:func:`clip_grads` of this process's samples, whatever wraps the model
+    (:mod:`per_sample_hooks.distributed` sums the ranks' after it)."""
+    # stacklevel 6: threshold_argument, this, torch.no_grad's and with_full_values' wrappers,
+    # clip_grads or distributed.clip_and_reduce, then the caller
     with refusal_ends_step(model):
-        limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 5),
+        limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 6),
                             "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads",
                                grouped=groups is not None)

@@ -261,6 +261,7 @@ def all_checks(rank: int) -> None:
         grouped_clipping_matches_one_process(rank, loss_type)
     weighted_mean_helper(rank)
     a_refusal_on_one_rank_stops_every_rank(rank)
+    plain_clip_grads_of_a_ddp_model_is_refused(rank)
     for dtype in (torch.float64, torch.float32):
         sparse_embedding_clipping(rank, dtype)
 
@@ -283,6 +284,16 @@ def a_refusal_on_one_rank_stops_every_rank(rank: int) -> None:
     gathered = [torch.empty_like(grads) for _ in range(WORLD)]
     dist.all_gather(gathered, grads)
     torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)
+
+
+def plain_clip_grads_of_a_ddp_model_is_refused(rank: int) -> None:
+    """Each rank's p.grad became its own clipped mean: the replicas drifted apart, silently."""
+    ddp = DistributedDataParallel(make_model())
+    with psh.add_hooks(ddp):
+        backward(ddp, shard(global_batch(0), rank), "mean")
+        with pytest.raises(psh.PerSampleHooksError, match="drift apart.*distributed.clip_grads"):
+            psh.clip_grads(ddp, MAX_NORM)
+        psh.distributed.clip_grads(ddp, MAX_NORM)  # the same step, not poisoned
 
 
 def sparse_embedding_clipping(rank: int, dtype: torch.dtype) -> None:
