@@ -655,6 +655,8 @@ class HookState:
         # and their batch dim (ModelCallHook; None: a PackedSequence, whose dim 0 counts tokens)
         self.model_input_shapes: set[torch.Size] | None = set()
         self.model_batch_dim = 0
+        # ids of those inputs (a layer called on one is called on the batch, no model tensor)
+        self.model_input_ids: set[int] = set()
         # ids of the parameters of the hooked modules (a unit's: below it too), kept until a
         # trainable parameter is not among them (step.py)
         self.hooked_parameter_ids: set[int] = set()
@@ -715,7 +717,7 @@ class HookState:
         call.recomputed = in_backward
         if not compiling:
             first = given_args[0] if given_args else None
-            if _may_be_a_model_tensor(first, batch_dim):
+            if _may_be_a_model_tensor(first, batch_dim) and id(first) not in self.model_input_ids:
                 call.shared_input = self._model_tensor(first)
             # the values a re-run or a rule reads
             recurse = owner in self.units
@@ -872,7 +874,7 @@ class HookState:
         """This step is over (computed, or refused after its backward): the next forward
         starts a new one (and notes the model's calls anew)."""
         self.status.consumed = True
-        self.model_input_shapes = set()
+        self.model_input_shapes, self.model_input_ids = set(), set()
 
     def release_records(self, by: str) -> None:
         """Mark this step's records as dropped by ``by`` (read again: refused, naming it)."""
@@ -931,17 +933,16 @@ class ModelCallHook:
                 _not_recorded_here(torch.compiler.is_compiling()):  # (a unit's re-run)
             return
         if state.status.consumed:  # this call starts a step (its first hooked forward will)
-            state.model_input_shapes = set()
-        shapes = state.model_input_shapes
-        if shapes is None:
-            return
+            state.model_input_shapes, state.model_input_ids = set(), set()
         if not kwargs and all(type(a) is Tensor for a in args):  # the common call, cheaply
-            shapes.update(a.shape for a in args)
-        elif any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
-            state.model_input_shapes = None
+            tensors = args
         else:
-            shapes.update(t.shape for t in tree_flatten((args, kwargs))[0]
-                          if isinstance(t, Tensor))
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
+                state.model_input_shapes = None
+        state.model_input_ids.update(map(id, tensors))
+        if state.model_input_shapes is not None:
+            state.model_input_shapes.update(t.shape for t in tensors)
 
 
 def _may_be_a_model_tensor(t: object, batch_dim: int) -> bool:

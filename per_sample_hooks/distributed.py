@@ -141,8 +141,8 @@ def sum_across_ranks(tensors: list[Tensor], weight: float, count: float, divide:
                      group: dist.ProcessGroup | None = None, refused: bool = False) -> float:
     """One all-reduce, in place: every tensor becomes the sum over ranks of ``weight * t``,
     divided by the summed ``count`` when ``divide`` (and that sum is positive). Returns the
-    summed ``count``. ``refused``: this rank refused the step (its tensors are zeros); on
-    every other rank the step is refused too (raises), none left waiting in a collective."""
+    summed ``count``. ``refused``: this rank refused the step (``weight`` 0); on every other
+    rank the step is refused too (raises), none left waiting in a collective."""
     dtype = tensors[0].dtype if tensors else torch.float64
     device = tensors[0].device if tensors else torch.device("cpu")
     flat = torch.cat([t.reshape(-1).to(dtype) * weight for t in tensors]

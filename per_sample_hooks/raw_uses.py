@@ -116,6 +116,7 @@ def _transposed_parameter(value: Derived) -> str | None:
             return source.name
     return None
 
+
 NORMS = frozenset({F.batch_norm, F.group_norm, F.layer_norm, F.instance_norm})
 """Normalizations with the batch in their input and raw parameters as their affine weight or
 bias (timm's BatchNormAct2d, GroupNormAct, LayerNormAct2d): run without them, then
