@@ -421,17 +421,16 @@ class BroadcastOutput(Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         views = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, BroadcastOutput)]
+        name = _op_name(func)
         if args and isinstance(args[0], BroadcastOutput) and not kwargs:
-            args = _repeated_once_per_sample(_op_name(func), args)
+            args = _repeated_once_per_sample(name, args)
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 result = func(*args, **kwargs)
             except RuntimeError as error:
                 module, _, _, status = views[0].expanded
                 status.consumed = True  # the next forward starts a clean step
-                raise broadcast_misuse_error("", module, _op_name(func),
-                                             f"failed ({error})") from error
-        name = _op_name(func)
+                raise broadcast_misuse_error("", module, name, f"failed ({error})") from error
         if not name.startswith("new_") and name != "_base":  # (factories: not derived from
             for view in views:  # the view; _base: torch.compile's tracing reads it)
                 module, dim, batch, status = view.expanded
@@ -874,6 +873,10 @@ class HookState:
         """This step is over (computed, or refused after its backward): the next forward
         starts a new one (and notes the model's calls anew)."""
         self.status.consumed = True
+        self.forget_model_calls()
+
+    def forget_model_calls(self) -> None:
+        """The model's calls noted so far (:class:`ModelCallHook`) belong to no step now."""
         self.model_input_shapes, self.model_input_ids = set(), set()
 
     def release_records(self, by: str) -> None:
@@ -933,7 +936,7 @@ class ModelCallHook:
                 _not_recorded_here(torch.compiler.is_compiling()):  # (a unit's re-run)
             return
         if state.status.consumed:  # this call starts a step (its first hooked forward will)
-            state.model_input_shapes, state.model_input_ids = set(), set()
+            state.forget_model_calls()
         if not kwargs and all(type(a) is Tensor for a in args):  # the common call, cheaply
             tensors = args
         else:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -121,6 +122,9 @@ NORMS = frozenset({F.batch_norm, F.group_norm, F.layer_norm, F.instance_norm})
 """Normalizations with the batch in their input and raw parameters as their affine weight or
 bias (timm's BatchNormAct2d, GroupNormAct, LayerNormAct2d): run without them, then
 ``x_hat * weight + bias``, two elementwise use sites (the same values, up to rounding)."""
+
+# (read once: binding runs in every forward of such a module)
+_NORM_SIGNATURES = MappingProxyType({func: inspect.signature(func) for func in NORMS})
 
 BATCH_STATISTICS = (
     "normalizes with batch statistics (`batch_norm` in training mode or without running "
@@ -486,7 +490,7 @@ class _Forward:
         :meth:`apply` (use sites of the per-channel, or ``normalized_shape``, values). None
         (not run) for anything else; batch statistics are refused."""
         try:
-            bound = inspect.signature(func).bind(*args, **kwargs).arguments
+            bound = _NORM_SIGNATURES[func].bind(*args, **kwargs).arguments
         except TypeError:
             return None  # the op itself will say what is wrong
         weight, bias = bound.pop("weight", None), bound.pop("bias", None)
