@@ -424,8 +424,10 @@ def token_model() -> tuple[nn.Module, Tensor, Tensor]:
     return model, torch.randn(3, 4, 4, dtype=DT), mask
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
-def test_monte_carlo_fisher_of_a_token_loss_with_position_weights(loss_type: str) -> None:
+def test_monte_carlo_fisher_of_a_token_loss_with_position_weights(loss_type: str,
+                                                                  dtype: torch.dtype) -> None:
     """The loss transformers computes, the mean over the batch's labelled tokens: weights
     ``mask * B / M`` (mean) or ``mask / M`` (sum) give its GGN blocks (each layer's Hessian
     block, for ReLU networks); unweighted, the positions were summed and padded ones sampled
@@ -433,13 +435,14 @@ def test_monte_carlo_fisher_of_a_token_loss_with_position_weights(loss_type: str
     model, x, mask = token_model()
     labels = torch.randint(3, (3, 4))
     weights = mask / mask.sum() * (3 if loss_type == "mean" else 1)
-    errors = {}
-    with psh.add_hooks(model):
+    errors, hooked = {}, copy.deepcopy(model).to(dtype)
+    with psh.add_hooks(hooked):
         for weighted in (True, False):
-            psh.backprop_hess(model(x), "CrossEntropy", n_samples=3000, generator=seeded(0),
-                              loss_type=loss_type, weights=weights if weighted else None)
-            psh.compute_hess(model, loss_type=loss_type)
-            errors[weighted] = {n: p.hess.clone() for n, p in model.named_parameters()}
+            psh.backprop_hess(hooked(x.to(dtype)), "CrossEntropy", n_samples=3000,
+                              generator=seeded(0), loss_type=loss_type,
+                              weights=weights if weighted else None)
+            psh.compute_hess(hooked, loss_type=loss_type)
+            errors[weighted] = {n: p.hess.double() for n, p in hooked.named_parameters()}
     for name, p in model.named_parameters():
         def loss(w: Tensor, name: str = name) -> Tensor:
             logits = torch.func.functional_call(model, {name: w}, (x,))
@@ -450,9 +453,11 @@ def test_monte_carlo_fisher_of_a_token_loss_with_position_weights(loss_type: str
         assert relative[True] < 0.1 and relative[False] > 1, (name, relative)
 
 
-def test_position_weights_leave_padded_positions_out() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_position_weights_leave_padded_positions_out(dtype: torch.dtype) -> None:
     """With weight 0 where padded, what the model computes there changes nothing."""
     model, x, mask = token_model()
+    model, x = model.to(dtype), x.to(dtype)
     factors = []
     with psh.add_hooks(model):
         for padded in (x, torch.where(mask.bool()[..., None], x, 10 * torch.randn_like(x))):
