@@ -109,6 +109,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -266,7 +267,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
         if not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"backprop_hess: n_samples must be an int >= 1, got {n_samples!r}")
         seeds = sampled_gradients(output, hess_type, n_samples, generator)
-    factor = 1.0 / output.shape[0] if loss_type == "mean" else 1.0
+    factor = 1.0 / max(output.shape[0], 1) if loss_type == "mean" else 1.0  # (an empty batch)
     roots = None if weights is None else _weight_roots(weights, output)
     recorded = edges.take() if edges is not None else []
     if recorded and edges.check_due():
@@ -380,16 +381,25 @@ def _pass_forms(layer: LayerWork, names: list[str], hess_passes: int
             for calls in split_passes(layer.calls, hess_passes)]
 
 
-def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str) -> tuple[HookState, Step]:
+def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str, *,
+                   empty_of_rank: bool = False) -> tuple[HookState, Step]:
     """:func:`prepare_step`, refusing an empty batch: no curvature or second moment of zero
-    samples (a mean over them is undefined)."""
+    samples (a mean over them is undefined). ``empty_of_rank``: the caller's result of an empty
+    batch is its zeros, which the ranks' weighted mean (``torch.distributed``, several ranks)
+    weighs 0; so it is taken there, where a refusal on one rank would leave the others waiting
+    in that mean's all-reduce."""
     state, step = prepare_step(model, loss_type, caller)
-    if step.batch_size == 0:
+    if step.batch_size == 0 and not (empty_of_rank and _several_ranks()):
         raise PerSampleHooksError(
             f"{caller}: the step's batch is empty (0 samples): there is no curvature or second "
             "moment to compute. Skip the call for an empty batch (Poisson sampling draws one "
             "now and then)")
     return state, step
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialized ``torch.distributed``."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @torch.no_grad()
@@ -437,11 +447,15 @@ class KFACFactors(Mapping[nn.Module, tuple[Tensor, Tensor]]):
             as the module's rule knows them (``"weight"``; a unit's ``"out_proj.weight"``).
         skipped: qualified names (``model.named_parameters()``) of the trainable parameters
             that ``unsupported="skip"`` left out.
+        batch_size: the number of samples they were computed from (0: an empty batch of one
+            of several ``torch.distributed`` ranks, whose factors are zeros), the weight
+            :func:`~per_sample_hooks.distributed.all_reduce_kfac` gives them.
     """
     kronecker: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
     embeddings: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
     diagonal: dict[nn.Module, dict[str, Tensor]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    batch_size: int | None = None
 
     def __getitem__(self, module: nn.Module) -> tuple[Tensor, Tensor]:
         return self.kronecker[module]
@@ -488,13 +502,20 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
     gets each module's factors for that module's use. A Linear or conv whose per-sample
     gradients were formed on arrival (``OutputEdges(form_on_arrival=True)``) has lost the
     records its factors need: refused unless ``unsupported="skip"``.
+
+    An empty batch is refused in one process; on one of several ``torch.distributed`` ranks
+    it gives zero factors with ``batch_size`` 0, which
+    :func:`~per_sample_hooks.distributed.all_reduce_kfac` weighs 0 (every rank makes the call
+    and the all-reduce, none waits for a rank that skipped them).
     """
     with refusal_ends_step(model):
         check_approx(approx, "compute_kfac")
         _check_unsupported(unsupported, "compute_kfac", ("diagonal", "skip", "raise"))
-    state, step = _nonempty_step(model, loss_type, "compute_kfac")
-    check_unseen_uses(state, step)
-    result = KFACFactors()
+    state, step = _nonempty_step(model, loss_type, "compute_kfac", empty_of_rank=True)
+    empty = step.batch_size == 0  # one rank's empty batch: zeros (weighed 0 across ranks)
+    if not empty:
+        check_unseen_uses(state, step)
+    result = KFACFactors(batch_size=step.batch_size)
     names = None  # qualified parameter names, read once something is skipped
     for layer in _curvature_layers(step):
         rest = list(layer.parameters)
@@ -524,8 +545,9 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
         elif lost or unsupported == "raise":
             raise UnsupportedModuleError(_refusal(layer, rule, structure, lost, rest))
         else:
-            result.diagonal[layer.module] = _squares(layer, rest, step.batch_size, step.scale,
-                                                     step.hess_passes)
+            result.diagonal[layer.module] = (
+                {n: full_zeros(layer.parameters[n]) for n in rest} if empty else
+                _squares(layer, rest, step.batch_size, step.scale, step.hess_passes))
     return result
 
 
@@ -558,14 +580,16 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     for the empirical Fisher diagonal of the mean loss. Names as in
     ``model.named_parameters()``. From the forms (``forms.second_order.add_squares``): no
     per-sample gradients for one-position outer products, biases and embedding rows; others
-    materialize one parameter at a time."""
-    state, step = _nonempty_step(model, loss_type, "compute_fisher_diag")
+    materialize one parameter at a time. An empty batch of one of several ``torch.distributed``
+    ranks gives zeros (its share of the sum over ranks); in one process it is refused."""
+    state, step = _nonempty_step(model, loss_type, "compute_fisher_diag", empty_of_rank=True)
     names = parameter_names(model, step)
     refuse_shared(step, "compute_fisher_diag")
-    check_unseen_uses(state, step)
+    if step.batch_size:
+        check_unseen_uses(state, step)
     result = {}
     for layer in step.layers:
-        if layer.calls and layer.parameters:
+        if layer.calls and layer.parameters and step.batch_size:
             totals = _squares(layer, list(layer.parameters), step.batch_size,
                               step.scale * step.scale, step.hess_passes)
         else:

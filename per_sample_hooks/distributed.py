@@ -29,7 +29,9 @@ wasted). Noise for DP-SGD must be the same on every rank (a generator seeded ali
 on one rank before the all-reduce; the privacy accounting sees the global batch.
 
 KFAC factors computed on each rank's shard are averaged with :func:`all_reduce_kfac` (one flat
-all-reduce), after which every rank holds the factors of the global batch.
+all-reduce, weighted by the local batch sizes), after which every rank holds the factors of the
+global batch. A rank with an empty batch calls both too: its ``compute_kfac`` gives zero
+factors of ``batch_size`` 0 (in one process an empty batch is refused).
 
 Several machines: the functions here only need an initialized default process group, so any
 launcher works. With ``torchrun``, the same script on every machine (2 machines, 4 processes
@@ -172,14 +174,19 @@ def all_reduce_kfac(factors: Mapping[nn.Module, tuple[Tensor, Tensor]],
     curvature diagonals too.
 
     Every rank must pass the factors of the same modules in the same order (as
-    ``compute_kfac`` returns them for the same model). With ``batch_size`` (the local batch
-    size) the average is weighted by it: the factors of the global batch when local batches
-    differ in size (an Embedding's ``expand`` ``a`` when every sample has as many tokens: it
-    is a share of the tokens, which padding makes differ); without it every rank weighs the
-    same. Returns ``factors``."""
+    ``compute_kfac`` returns them for the same model), an empty batch's zeros included. The
+    average is weighted by ``batch_size`` (the local batch size; by default a
+    :class:`~per_sample_hooks.curvature.KFACFactors`' own ``batch_size``): the factors of the
+    global batch when local batches differ in size (an Embedding's ``expand`` ``a`` when every
+    sample has as many tokens: it is a share of the tokens, which padding makes differ). A
+    plain mapping without ``batch_size``: every rank weighs the same. Returns ``factors``."""
     _check_initialized("all_reduce_kfac")
-    tensors = factors.tensors() if isinstance(factors, KFACFactors) else \
-        [t for pair in factors.values() for t in pair]
+    if isinstance(factors, KFACFactors):
+        tensors = factors.tensors()
+        if batch_size is None:
+            batch_size = factors.batch_size
+    else:
+        tensors = [t for pair in factors.values() for t in pair]
     if tensors:
         all_reduce_weighted_mean(tensors, 1 if batch_size is None else batch_size, group)
     return factors

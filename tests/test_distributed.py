@@ -243,6 +243,57 @@ def kfac_factors_match_one_process(rank: int) -> None:
             check_close(got, want, f"rank {rank} KFAC of the tagger")
 
 
+def curvature_of_an_empty_rank(rank: int) -> None:
+    """Rank 0's batch is empty (Poisson sampling): its compute_kfac gives zero factors of
+    batch_size 0 (it refused them, and rank 1 waited in all_reduce_kfac until gloo's timeout),
+    which all_reduce_kfac weighs 0 without being told: every rank gets the factors of the
+    global batch, for the Embedding's and the LayerNorm's diagonal too, after an ordinary
+    backward and after backprop_hess. compute_fisher_diag gives zeros, its share of the sum.
+    In float64 and float32, against the one process's float64 factors."""
+    step = 1
+    x, tokens = global_batch(step), torch.randint(5, (sum(STEP_SHARDS[step]), 4),
+                                                   generator=torch.Generator().manual_seed(3))
+    def backwards(model: nn.Module, data: torch.Tensor, hess: bool) -> None:
+        output = model(data)
+        if hess:
+            psh.backprop_hess(output.flatten(1), "LeastSquares")
+        else:
+            weighted_square(output).mean().backward()
+    for make, inputs in ((make_model, x), (make_tagger, tokens)):
+        for hess in (False, True):
+            for approx in ("expand", "reduce"):
+                reference = make()
+                with psh.add_hooks(reference):
+                    backwards(reference, inputs, hess)
+                    expected = [t.clone() for t in compute_kfac(reference, approx).tensors()]
+                for dtype in (torch.float64, torch.float32):
+                    model = make().to(dtype)
+                    data = shard(inputs, rank, step)
+                    data = data.to(dtype) if data.is_floating_point() else data
+                    with psh.add_hooks(model):
+                        backwards(model, data, hess)
+                        factors = compute_kfac(model, approx)
+                        assert factors.batch_size == len(data)
+                        if not len(data):
+                            assert all(not t.any() for t in factors.tensors())
+                        psh.distributed.all_reduce_kfac(factors)
+                    tolerance = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else \
+                        dict(rtol=1e-4, atol=1e-6)
+                    what = f"rank {rank} {make.__name__} hess={hess} {approx} {dtype}"
+                    for got, want in zip(factors.tensors(), expected, strict=True):
+                        torch.testing.assert_close(got.double(), want, **tolerance,
+                                                   msg=lambda m, what=what: f"{what}: {m}")
+    reference, model = make_model(), make_model()
+    with psh.add_hooks(reference), psh.add_hooks(model):
+        backward(reference, x, "sum")
+        expected = psh.compute_fisher_diag(reference, "sum")
+        backward(model, shard(x, rank, step), "sum")
+        diagonal = psh.compute_fisher_diag(model, "sum")
+    for name, value in diagonal.items():
+        dist.all_reduce(value)
+        check_close(value, expected[name], f"rank {rank} Fisher diagonal {name}")
+
+
 def weighted_mean_helper(rank: int) -> None:
     tensors = [torch.full((2, 2), float(rank + 1), dtype=torch.float64)]
     total = psh.distributed.all_reduce_weighted_mean(tensors, STEP_SHARDS[0][rank])
@@ -254,6 +305,7 @@ def weighted_mean_helper(rank: int) -> None:
 def all_checks(rank: int) -> None:
     per_sample_on_each_rank(rank)
     kfac_factors_match_one_process(rank)
+    curvature_of_an_empty_rank(rank)
     for loss_type in ("mean", "sum"):
         for suppress in ("comm_hook", "no_sync", "plain"):
             dp_clipping_matches_one_process(rank, loss_type, suppress)

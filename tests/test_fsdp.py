@@ -303,19 +303,21 @@ def dpsgd_matches_one_process(rank: int, kind: str, loss_type: str) -> None:
 
 
 def kfac_matches_one_process(rank: int, kind: str) -> None:
+    """Step 1: rank 0's batch is empty; its zero factors are weighed 0 (their batch_size)."""
     reference, model = make_pair(kind)
-    x = global_batch(kind, 0)
-    with psh.add_hooks(reference), psh.add_hooks(model, check_unseen=False):
-        loss_of(reference, x, "mean").backward()
-        expected = [t.clone() for t in compute_kfac(reference).tensors()]
-        mine = shard(x, rank)
-        loss_of(model, mine, "mean").backward()
-        factors = compute_kfac(model)
-        psh.distributed.all_reduce_kfac(factors, batch_size=len(mine))
-        got = factors.tensors()
-        assert len(got) == len(expected) > 0
-        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-            check_close(g, e, f"rank {rank} {kind} KFAC tensor {i}")
+    for step in (0, 1):
+        x = global_batch(kind, step)
+        with psh.add_hooks(reference), psh.add_hooks(model, check_unseen=False):
+            loss_of(reference, x, "mean").backward()
+            expected = [t.clone() for t in compute_kfac(reference).tensors()]
+            mine = shard(x, rank, step)
+            loss_of(model, mine, "mean").backward()
+            factors = compute_kfac(model)
+            psh.distributed.all_reduce_kfac(factors)
+            got = factors.tensors()
+            assert len(got) == len(expected) > 0
+            for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+                check_close(g, e, f"rank {rank} {kind} step {step} KFAC tensor {i}")
 
 
 def refusals(rank: int) -> None:

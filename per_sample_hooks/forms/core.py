@@ -100,14 +100,14 @@ def features(acts: Tensor | Unfolded) -> int:
 
 def act_chunks(form: Outer, reduce: bool = True) -> Iterator[tuple[slice, Tensor]]:
     """``(samples, acts[samples])`` covering the batch: a tensor whole, :class:`Unfolded` a
-    chunk at a time (of the reductions' size, else of its own)."""
+    chunk at a time (of the reductions' size, else of its own; one empty chunk of no sample)."""
     if not isinstance(form.acts, Unfolded):
         yield slice(None), form.acts
         return
     batch, groups, positions, _ = form.grads.shape
     elements = min(form.acts.elements, ghost.CHUNK_ELEMENTS) if reduce else form.acts.elements
     step = max(1, elements // (groups * positions * form.acts.features))
-    for start in range(0, batch, step):
+    for start in range(0, max(batch, 1), step):  # an empty batch: one empty chunk
         stop = min(batch, start + step)
         yield slice(start, stop), form.acts.build(start, stop)
 
@@ -372,7 +372,7 @@ def inner_products(a: Form, b: Form, batch: int) -> Tensor:
     positions, entries = acts.shape[1], rows.shape[1]
     step = max(1, ghost.CHUNK_ELEMENTS // max(1, positions * entries))
     result = []
-    for start in range(0, batch, step):
+    for start in range(0, max(batch, 1), step):  # an empty batch: one empty chunk
         chunk = slice(start, start + step)
         along_acts = torch.bmm(acts[chunk], values[chunk].transpose(1, 2))  # [n, T, E]
         picked = grads[chunk].gather(2, rows[chunk, None].expand(-1, positions, -1))

@@ -98,7 +98,8 @@ def conv_output_grads(module: nn.modules.conv._ConvNd, grad_output: Tensor) -> T
     :func:`conv_patches`. A view when ``grad_output`` is contiguous."""
     batch, channels = grad_output.shape[:2]
     groups = module.groups
-    return grad_output.reshape(batch, groups, channels // groups, -1).transpose(2, 3)
+    positions = math.prod(grad_output.shape[2:])  # not -1: ambiguous for an empty batch
+    return grad_output.reshape(batch, groups, channels // groups, positions).transpose(2, 3)
 
 
 def conv_weight_factors(module: nn.modules.conv._ConvNd, x: Tensor, grad_output: Tensor

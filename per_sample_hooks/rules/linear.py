@@ -19,7 +19,7 @@ def flatten_positions(t: Tensor) -> Tensor:
     """``[B, *, f] -> [B, T, f]`` with ``T`` the product of the middle dims (a view if possible)."""
     if t.dim() == 2:
         return t.unsqueeze(1)
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    return t.reshape(t.shape[0], t.shape[1:-1].numel(), t.shape[-1])  # -1: ambiguous if empty
 
 
 @register_rule(nn.Linear)
