@@ -22,7 +22,8 @@ what one process gets from ``per_sample_hooks.clip_grads`` on the concatenated b
 a rank with an empty batch still runs forward, backward and ``clip_grads`` on a ``[0, ...]``
 batch: DDP and the all-reduce need every rank). A step ``clip_grads`` refuses on one rank (a
 layout of that rank's data) is refused on every rank, in the same all-reduce: none is left
-waiting in it (not yet under FSDP2, whose clipping communicates layer by layer).
+waiting in it (under FSDP2, whose clipping communicates layer by layer, in one all-reduce
+before the first layer's).
 Instead of ``skip_gradient_allreduce`` a backward inside ``ddp.no_sync()`` (forward included)
 works too; without either, DDP's all-reduce runs and its result is overwritten (correct but
 wasted). Noise for DP-SGD must be the same on every rank (a generator seeded alike) or added
@@ -96,7 +97,7 @@ from .clipping import MaxGradNorm, threshold_argument
 from .curvature import KFACFactors
 from .errors import PerSampleHooksError
 from .norms import clip_grads_of_rank
-from .sharded import is_sharded
+from .sharded import ANOTHER_RANK_REFUSED, is_sharded
 
 
 def _no_communication(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
@@ -151,9 +152,7 @@ def sum_across_ranks(tensors: list[Tensor], weight: float, count: float, divide:
                      + [torch.tensor([count, float(refused)], dtype=dtype, device=device)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if float(flat[-1]) > 0 and not refused:
-        raise PerSampleHooksError(
-            "another rank refused this step (its error says why); every rank stops with it, "
-            "so that none waits in a collective. Fix the cause, zero the gradients and go on")
+        raise PerSampleHooksError(ANOTHER_RANK_REFUSED)
     flat = flat[:-1]
     total = float(flat[-1])
     if divide and total > 0:

@@ -23,7 +23,7 @@ from .forms import contract_samples
 from .forms.groups import RowGroups, regroup, row_groups
 from .quantities import KeptGrads, norms_squared, weighted_sum
 from .rules.base import written_grad1
-from .sharded import ShardedGrads, is_sharded, with_full_values
+from .sharded import RankAgreement, ShardedGrads, is_sharded, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -360,23 +360,35 @@ def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = Non
                        loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
                        release_records: bool = False, max_norm: float | None = None) -> Tensor:
     """:func:`clip_grads` of this process's samples, whatever wraps the model
-    (:mod:`per_sample_hooks.distributed` sums the ranks' after it)."""
-    # stacklevel 6: threshold_argument, this, torch.no_grad's and with_full_values' wrappers,
-    # clip_grads or distributed.clip_and_reduce, then the caller
+    (:mod:`per_sample_hooks.distributed` sums the ranks' after it). On an FSDP2 model a
+    refusal on one rank is one on every rank (:class:`~.sharded.RankAgreement`)."""
+    agreement = RankAgreement(model)
+    with agreement.refusals_shared():
+        return _clip_grads_of_rank(model, max_grad_norm, loss_type, groups, release_records,
+                                   max_norm, agreement)
+
+
+def _clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None,
+                        loss_type: LossType, groups: Tensor | int | None, release_records: bool,
+                        max_norm: float | None, agreement: RankAgreement) -> Tensor:
+    # stacklevel 7: threshold_argument, this, clip_grads_of_rank, torch.no_grad's and
+    # with_full_values' wrappers, clip_grads or distributed.clip_and_reduce, then the caller
     with refusal_ends_step(model):
-        limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 6),
+        limits = thresholds(model, threshold_argument(max_grad_norm, max_norm, "clip_grads", 7),
                             "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads",
                                grouped=groups is not None)
     _check_coverage(step, "clip_grads")
     rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
-    # in an order that every rank follows (an empty batch's too)
+    # in an order that every rank follows (an empty batch's too), once the ranks agree that
+    # none refused the step (after the last refusal)
     captured = {t.untyped_storage().data_ptr() for w in step.layers for call in w.calls
                 for passes in (*call.grads, *call.watched) for t in passes}
-    grads = ShardedGrads((p for w in step.layers for p in w.parameters.values()),
-                         step.batch_size if rows is None else rows.count, loss_type == "mean",
-                         partial(_grad_target, captured=captured))
+    sharded_grads = partial(ShardedGrads, (p for w in step.layers for p in w.parameters.values()),
+                            step.batch_size if rows is None else rows.count,
+                            loss_type == "mean", partial(_grad_target, captured=captured),
+                            agreement)
     shared = shared_parameters(step)
     layers = step.layers
     sparse = [p for w in layers for p in w.parameters.values()  # Embedding(sparse=True)'s
@@ -384,7 +396,7 @@ def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = Non
     if release_records:  # the largest new p.grad last, when the fewest records are left
         layers = sorted(layers, key=lambda w: sum(p.numel() for p in w.parameters.values()))
     if step.batch_size == 0:  # the sum over no sample: zero gradients
-        _write_zeros(layers, shared, grads)
+        _write_zeros(layers, shared, sharded_grads())
         _as_sparse(sparse)
         return _empty_batch_norms(model, step, per_param=False)
     # records released as soon as a layer's per-sample gradients are all kept; only when the
@@ -403,6 +415,7 @@ def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = Non
     _check_finite(norms, squared, "clip_grads")
     # The captured grads of a mean loss carry 1/B: sum_b c_b * captured_b is already the mean.
     coefficients = _group_coefficients(model, step, squared, norms, limits, "clip_grads")
+    grads = sharded_grads()
     weights = [_row_weights(c, rows, step, loss_type) for c in coefficients]
     kept_weights = [_sample_weights(c, rows, step, loss_type) for c in coefficients]
     for uses in shared.values():  # before any of their modules' records are released

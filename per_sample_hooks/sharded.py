@@ -16,8 +16,9 @@ length of a ``compute_*`` call (:func:`with_full_values`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
@@ -140,30 +141,69 @@ def _swap_back(state: HookState) -> None:
                     setattr(owner, name, stand_ins[id(p)])
 
 
+ANOTHER_RANK_REFUSED = (
+    "another rank refused this step (its error says why); every rank stops with it, so that "
+    "none waits in a collective. Fix the cause, zero the gradients and go on")
+
+
+class RankAgreement:
+    """Whether the ranks of an FSDP2 model (one with a sharded trainable parameter) all take
+    a step, and the sum of a count over them: one all-reduce over its mesh, made by every rank
+    before the call's first per-layer collective. A refusal raised inside
+    :meth:`refusals_shared` before that point makes the same all-reduce, flagged: every rank
+    then refuses, none waits in a layer's all-reduce. Without sharded parameters: no
+    communication."""
+
+    def __init__(self, model: nn.Module):
+        sharded = sharded_parameters(model)
+        self.mesh = sharded[0].device_mesh if sharded else None
+        self.device = sharded[0].to_local().device if sharded else None
+        self.reached = False
+
+    def agree(self, count: float, refused: bool = False) -> float:
+        """``count`` summed over the mesh (``count`` itself without one); raises when another
+        rank refused."""
+        if self.mesh is None:
+            return count
+        flat = torch.tensor([count, float(refused)], dtype=torch.float64, device=self.device)
+        self.reached = True
+        mesh_all_reduce(flat, self.mesh)
+        if float(flat[1]) > 0 and not refused:
+            raise PerSampleHooksError(ANOTHER_RANK_REFUSED)
+        return float(flat[0])
+
+    @contextlib.contextmanager
+    def refusals_shared(self) -> Iterator[RankAgreement]:
+        """A refusal inside, before :meth:`agree`, is announced to the other ranks."""
+        try:
+            yield self
+        except Exception:
+            if self.mesh is not None and not self.reached:
+                self.agree(0.0, refused=True)
+            raise
+
+
 class ShardedGrads:
     """Where a clipped sum is written: ``plain_target(p)`` (``p.grad``) for an ordinary
     parameter; for a DTensor one a full-shape buffer of this rank's sum, which
     :meth:`publish` sums over the mesh (one all-reduce per call) and cuts to ``p.grad``'s
     shard. Every rank must publish the same parameters in the same order.
 
-    ``batch_size``: the local number of clipped samples (groups of rows); for a mean loss
-    with sharded parameters the global one is summed over the mesh once here, and the local
-    mean is rescaled to its share of the global mean (``B_local / B_global``), so that
-    ``p.grad`` ends as the mean over the global batch."""
+    ``batch_size``: the local number of clipped samples (groups of rows); the global one is
+    summed over the mesh here (``agreement``, made after the caller's last refusal), and for
+    a mean loss the local mean is rescaled to its share of the global mean
+    (``B_local / B_global``), so that ``p.grad`` ends as the mean over the global batch."""
 
     def __init__(self, params: Iterable[Tensor], batch_size: int, mean: bool,
-                 plain_target: Callable[[Tensor], Tensor]):
+                 plain_target: Callable[[Tensor], Tensor], agreement: RankAgreement):
         self.plain_target = plain_target
         self.buffers: dict[int, Tensor] = {}
         sharded = [p for p in params if is_sharded(p)]
         self.mesh = sharded[0].device_mesh if sharded else None
         self.scale = 1.0
-        if self.mesh is not None and mean:
-            count = torch.tensor([float(batch_size)], dtype=torch.float64,
-                                 device=sharded[0].to_local().device)
-            mesh_all_reduce(count, self.mesh)
-            if float(count) > 0:
-                self.scale = batch_size / float(count)
+        total = agreement.agree(float(batch_size))
+        if self.mesh is not None and mean and total > 0:
+            self.scale = batch_size / total
 
     def target(self, p: Tensor) -> Tensor:
         """The tensor to write ``p``'s clipped sum into (overwritten, not accumulated)."""
@@ -202,5 +242,6 @@ class ShardedGrads:
             p.grad.to_local().copy_(like(full, p).to_local())
 
 
-__all__ = ["is_sharded", "sharded_parameters", "contains_fsdp_unit", "ShardedGrads", "full_zeros",
+__all__ = ["is_sharded", "sharded_parameters", "contains_fsdp_unit", "ShardedGrads",
+           "RankAgreement", "ANOTHER_RANK_REFUSED", "full_zeros",
            "like", "mesh_all_reduce", "with_full_values", "swap_in_full_values"]

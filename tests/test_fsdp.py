@@ -339,6 +339,39 @@ def refusals(rank: int) -> None:
                 refused(gated)
 
 
+def a_refusal_on_one_rank_stops_every_rank(rank: int) -> None:
+    """A step refused on one rank only (groups=2 with an odd local batch; a non-finite norm)
+    is refused on every rank, in one all-reduce before the first layer's (the other rank sat
+    in a layer's all-reduce until gloo's timeout), by distributed.clip_grads and clip_grads
+    alike; the next step is clean and exact on both."""
+    reference, model = make_pair("gated")
+    x = global_batch("gated", 0)
+    grads, norms = loop_truth(reference, x)
+    expected = loop_clipped(grads, norms, MAX_NORM, "mean")
+    refusing = [(psh.distributed.clip_grads, dict(groups=2), 1, "must divide the batch"),
+                (psh.clip_grads, dict(groups=2), 0, "must divide the batch"),
+                (psh.clip_grads, {}, 1, "not finite")]
+    with psh.add_hooks(model, check_unseen=False):
+        for clip, options, refuser, reason in refusing:
+            data = x[:3 if rank == refuser else 4].clone()
+            if not options and rank == refuser:
+                data[0, 0, 0] = math.inf
+            loss_of(model, data, "mean").backward()
+            with pytest.raises((psh.PerSampleHooksError, ValueError),
+                               match=reason if rank == refuser else "another rank refused"):
+                clip(model, MAX_NORM, **options)
+            model.zero_grad(set_to_none=True)
+            loss_of(model, shard(x, rank), "mean").backward()
+            clip(model, MAX_NORM)
+            for n, p in model.named_parameters():
+                what = f"rank {rank} after {clip.__module__}'s refusal: {n}"
+                if isinstance(p, DTensor):
+                    check_sharded_grad(p, expected[n], rank, what)
+                elif clip is psh.distributed.clip_grads:  # left out of fully_shard
+                    check_close(p.grad, expected[n], what)
+            model.zero_grad(set_to_none=True)
+
+
 def all_checks(rank: int) -> None:
     for kind in MODELS:
         if kind != "gated":
@@ -352,6 +385,7 @@ def all_checks(rank: int) -> None:
     per_sample_and_clipping(rank, "net", torch.float32)
     dpsgd_matches_one_process(rank, "net", "sum")
     refusals(rank)
+    a_refusal_on_one_rank_stops_every_rank(rank)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
