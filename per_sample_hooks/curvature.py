@@ -420,7 +420,9 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
         passes = _pass_forms(layer, list(layer.parameters), model_step.hess_passes)
         for name, p in layer.parameters.items():
             block = torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
-            buffer = p.new_empty((model_step.batch_size, *p.shape))
+            # (torch.empty, not p.new_empty: a plain tensor for an FSDP2 DTensor too)
+            buffer = torch.empty((model_step.batch_size, *p.shape), dtype=p.dtype,
+                                 device=p.device)
             for forms in passes:
                 add_gauss_newton(block, forms[name], buffer, model_step.scale)
             p.hess = block

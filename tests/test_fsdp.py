@@ -320,6 +320,21 @@ def kfac_matches_one_process(rank: int, kind: str) -> None:
                 check_close(g, e, f"rank {rank} {kind} step {step} KFAC tensor {i}")
 
 
+def hessian_blocks_of_the_local_samples(rank: int) -> None:
+    """compute_hess on a sharded model (it crashed: a DTensor buffer): each parameter's
+    full Gauss-Newton block of this rank's samples, as the unsharded model's."""
+    for kind in ("net", "tagger"):
+        reference, model = make_pair(kind)
+        mine = shard(global_batch(kind, 0), rank)
+        with psh.add_hooks(reference), psh.add_hooks(model, check_unseen=False):
+            for hooked in (reference, model):
+                psh.backprop_hess(hooked(mine).flatten(1), "LeastSquares")
+                psh.compute_hess(hooked)
+            for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                assert not isinstance(p.hess, DTensor)
+                check_close(p.hess, q.hess, f"rank {rank} {kind} Hessian block of {n}")
+
+
 def refusals(rank: int) -> None:
     """The unseen-use check, and a rule that reads parameter values, on a sharded model."""
     _, model = make_pair("tagger")
@@ -384,6 +399,7 @@ def all_checks(rank: int) -> None:
     grouped_clipping_matches_one_process(rank, "mean")
     per_sample_and_clipping(rank, "net", torch.float32)
     dpsgd_matches_one_process(rank, "net", "sum")
+    hessian_blocks_of_the_local_samples(rank)
     refusals(rank)
     a_refusal_on_one_rank_stops_every_rank(rank)
 
