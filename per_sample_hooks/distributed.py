@@ -26,8 +26,10 @@ waiting in it (under FSDP2, whose clipping communicates layer by layer, in one a
 before the first layer's).
 Instead of ``skip_gradient_allreduce`` a backward inside ``ddp.no_sync()`` (forward included)
 works too; without either, DDP's all-reduce runs and its result is overwritten (correct but
-wasted). Noise for DP-SGD must be the same on every rank (a generator seeded alike) or added
-on one rank before the all-reduce; the privacy accounting sees the global batch.
+wasted; a module some rank did not call, with ``find_unused_parameters`` or ``static_graph``,
+is refused there, its ``.grad`` possibly another rank's). Noise for DP-SGD must be the same
+on every rank (a generator seeded alike) or added on one rank before the all-reduce; the
+privacy accounting sees the global batch.
 
 KFAC factors computed on each rank's shard are averaged with :func:`all_reduce_kfac` (one flat
 all-reduce, weighted by the local batch sizes), after which every rank holds the factors of the

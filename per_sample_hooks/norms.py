@@ -183,7 +183,7 @@ def clipping_coefficients(norms: Tensor, max_grad_norm: float) -> Tensor:
     return (max_grad_norm / (norms + CLIP_EPSILON)).clamp_(max=1.0)
 
 
-def _check_coverage(step: Step, caller: str) -> None:
+def _check_coverage(step: Step, caller: str, model: nn.Module) -> None:
     """Every parameter that backward gave a gradient must be one we can clip (one of no hooked
     module: refused by ``prepare_step``)."""
     # (a parameter of several modules, BART's word embeddings: seen if one of them was called)
@@ -193,12 +193,26 @@ def _check_coverage(step: Step, caller: str) -> None:
             # a sharded p.grad (FSDP2) holds the other ranks' gradients too: not checked
             if not layer.calls and id(p) not in reached and p.grad is not None \
                     and not is_sharded(p) and bool(p.grad.any()):
+                what = (f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero "
+                        "gradient but its module's output did not reach the loss in this step")
+                if _ddp_of_several_ranks(model):
+                    raise PerSampleHooksError(
+                        f"{what} on this rank: DistributedDataParallel's all-reduce ran "
+                        "(find_unused_parameters or static_graph), so its .grad may be another "
+                        "rank's gradient, which cannot be told from a use outside the module's "
+                        "forward. Skip DDP's all-reduce, which clipping overwrites anyway: "
+                        "per_sample_hooks.distributed.skip_gradient_allreduce(ddp) once, or the "
+                        "forward and backward inside ddp.no_sync()")
                 raise PerSampleHooksError(
-                    f"{caller}: parameter '{local}' of '{layer.name}' has a non-zero gradient "
-                    "but its module's output did not reach the loss in this step: either the "
-                    "parameter is used outside its module's forward (its per-sample gradients "
-                    "cannot be seen), or its .grad is left over from an earlier step (call "
-                    "optimizer.zero_grad() before the forward)")
+                    f"{what}: either the parameter is used outside its module's forward (its "
+                    "per-sample gradients cannot be seen), or its .grad is left over from an "
+                    "earlier step (call optimizer.zero_grad() before the forward)")
+
+
+def _ddp_of_several_ranks(model: nn.Module) -> bool:
+    """Whether ``model`` is a DistributedDataParallel in a process group of several ranks."""
+    return isinstance(model, nn.parallel.DistributedDataParallel) and dist.is_available() \
+        and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _captured(layer: LayerWork) -> int:
@@ -342,8 +356,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     norms formed its per-sample gradients keeps them (up to the size of its records) and drops
     its records right away, its clipped sum then a contraction.
     """
-    if isinstance(model, nn.parallel.DistributedDataParallel) and dist.is_available() and \
-            dist.is_initialized() and dist.get_world_size() > 1:
+    if _ddp_of_several_ranks(model):
         with refusal_ends_step(model):
             raise PerSampleHooksError(
                 "clip_grads on a DistributedDataParallel model clips this rank's samples only, "
@@ -378,7 +391,7 @@ def _clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None,
                             "clip_grads")
     state, step = prepare_step(model, loss_type, "clip_grads",
                                grouped=groups is not None)
-    _check_coverage(step, "clip_grads")
+    _check_coverage(step, "clip_grads", model)
     rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
     # in an order that every rank follows (an empty batch's too), once the ranks agree that

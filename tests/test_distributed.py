@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import per_sample_hooks as psh
-from ground_truth import loop_grads
+from ground_truth import loop_grads, loop_grads_of
 from per_sample_hooks.curvature import compute_kfac
 
 WORLD = 2
@@ -62,8 +62,8 @@ def shard(x: torch.Tensor, rank: int, step: int = 0) -> torch.Tensor:
     return x[start:start + sizes[rank]]
 
 
-def backward(model: nn.Module, x: torch.Tensor, loss_type: str) -> None:
-    losses = weighted_square(model(x))
+def backward(model: nn.Module, x: torch.Tensor, loss_type: str, *args: object) -> None:
+    losses = weighted_square(model(x, *args))
     (losses.mean() if loss_type == "mean" else losses.sum()).backward()
 
 
@@ -314,6 +314,7 @@ def all_checks(rank: int) -> None:
     weighted_mean_helper(rank)
     a_refusal_on_one_rank_stops_every_rank(rank)
     plain_clip_grads_of_a_ddp_model_is_refused(rank)
+    a_branch_unused_on_one_rank(rank)
     for dtype in (torch.float64, torch.float32):
         sparse_embedding_clipping(rank, dtype)
 
@@ -336,6 +337,45 @@ def a_refusal_on_one_rank_stops_every_rank(rank: int) -> None:
     gathered = [torch.empty_like(grads) for _ in range(WORLD)]
     dist.all_gather(gathered, grads)
     torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)
+
+
+class Branches(nn.Module):
+    """``b`` only on samples of rank 1: DDP needs find_unused_parameters=True."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b = nn.Linear(2, 3), nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.a(h) + self.b(h) if branch else self.a(h)
+
+
+def a_branch_unused_on_one_rank(rank: int) -> None:
+    """With DDP's all-reduce on, 'b' (not called on rank 0) has rank 1's gradient on rank 0,
+    which cannot be told from a use outside its forward: refused on rank 0 naming the all-reduce
+    and what to do (it said 'used outside its module's forward ... or left over'), on rank 1
+    as another rank's refusal. Doing what it says is exact, against the float64 loop."""
+    x = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    branches = [0, 0, 0, 1, 1, 1]
+    reference = Branches().double()
+    grads = loop_grads_of(reference, zip(x, branches), lambda out: weighted_square(out[None]))
+    total = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    expected = loop_clipped(grads, total, MAX_NORM, "mean")
+    ddp = DistributedDataParallel(Branches().double(), find_unused_parameters=True)
+    mine = x[3 * rank:3 * rank + 3]
+    with psh.add_hooks(ddp):
+        backward(ddp, mine, "mean", rank)
+        with pytest.raises(psh.PerSampleHooksError, match="another rank refused" if rank else
+                           "'weight' of 'b'.*all-reduce ran.*skip_gradient_allreduce"):
+            psh.distributed.clip_grads(ddp, MAX_NORM)
+        ddp.zero_grad(set_to_none=True)
+        psh.distributed.skip_gradient_allreduce(ddp)
+        backward(ddp, mine, "mean", rank)
+        psh.distributed.clip_grads(ddp, MAX_NORM)
+    for n, p in ddp.module.named_parameters():
+        check_close(p.grad, expected[n], f"rank {rank} clipped {n}")
 
 
 def plain_clip_grads_of_a_ddp_model_is_refused(rank: int) -> None:
