@@ -394,6 +394,8 @@ class DPSGD:
             self._pieces_left, self._last_batch_empty = 0, False
 
     def zero_grad(self) -> None:
+        """The optimizer's ``zero_grad(set_to_none=True)``; forgets the outputs recorded for
+        :meth:`backward` (an unused forward's): call it before the forward."""
         self.optimizer.zero_grad(set_to_none=True)
         self.output_edges.clear()
 
@@ -458,7 +460,8 @@ class DPSGD:
         if self.distributed:
             raise PerSampleHooksError(
                 "DPSGD: virtual batches (max_micro_batch, accumulate) are not supported with "
-                "DistributedDataParallel: each rank's Poisson batch would split into a "
+                "DistributedDataParallel or FSDP2 (fully_shard): each rank's Poisson batch "
+                "would split into a "
                 "different number of pieces, and every piece needs every rank. Use a smaller "
                 "batch_size per rank, or more ranks")
 

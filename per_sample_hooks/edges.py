@@ -99,8 +99,10 @@ class OutputEdges:
         which refuses a backward to given tensors); forget the records."""
         if not self.edges:
             raise PerSampleHooksError(
-                "backward: no output of a hooked module was recorded since the last backward; "
-                "run the forward pass with grad enabled first")
+                "backward: no output of a hooked module was recorded since the last backward "
+                "or DPSGD.zero_grad() (which forgets the outputs recorded before it: call it "
+                "before the forward, not between forward and backward); run the forward pass "
+                "with grad enabled first")
         edges = self.take()
         if self.check_due() or self._state.reentrant_checkpointing:
             loss.backward()

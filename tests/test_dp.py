@@ -215,6 +215,26 @@ def test_epsilon_without_accountant_raises():
         dp.epsilon(1e-5)
 
 
+def test_zero_grad_between_forward_and_backward_is_refused_clearly():
+    """dp.zero_grad() forgets the recorded outputs: the refusal of dp.backward said only 'run
+    the forward pass with grad enabled first', which it was. The next step is as a fresh one."""
+    model, dp = _setup(noise=0.0, accountant=None)
+    idx = torch.arange(8)
+    x = torch.randn(64, 6, dtype=torch.double)[idx]
+    losses = model(x).pow(2).sum(1)
+    dp.zero_grad()
+    with pytest.raises(psh.PerSampleHooksError, match=r"DPSGD.zero_grad\(\).*before the forward"):
+        dp.backward(losses.mean())
+    grads = []
+    for net, private in ((model, dp), _setup(noise=0.0, accountant=None)):
+        private.zero_grad()
+        private.backward(net(x).pow(2).sum(1).mean())
+        private.step()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_step_without_backward_raises():
     model, dp = _setup(accountant=None)
     with pytest.raises(psh.PerSampleHooksError, match="backward"):
@@ -459,10 +479,10 @@ def test_unfinished_virtual_batch_is_refused():
 
 def test_virtual_batches_refused_under_ddp():
     _, dp = _setup(accountant=None)
-    dp.distributed = True  # as for a DistributedDataParallel model
-    with pytest.raises(psh.PerSampleHooksError, match="DistributedDataParallel"):
+    dp.distributed = True  # as for a DistributedDataParallel or FSDP2 model
+    with pytest.raises(psh.PerSampleHooksError, match="DistributedDataParallel or FSDP2"):
         next(dp.batches(max_micro_batch=4))
-    with pytest.raises(psh.PerSampleHooksError, match="DistributedDataParallel"):
+    with pytest.raises(psh.PerSampleHooksError, match="DistributedDataParallel or FSDP2"):
         dp.accumulate()
     with pytest.raises(ValueError, match="max_micro_batch"):
         next(_setup(accountant=None)[1].batches(max_micro_batch=0))
