@@ -859,6 +859,48 @@ def test_a_unit_called_with_no_tensor_is_refused_naming_it(dtype):
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
 
 
+class ReturnsItsLoss(nn.Module):
+    """A model that computes its own (batch-mean) loss when given labels, as transformers'
+    models do, first in its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        logits = self.head(torch.tanh(self.body(x)))
+        if labels is None:
+            return (logits,)
+        return nn.functional.cross_entropy(logits, labels), logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_that_computes_the_batch_loss_is_refused_naming_it(dtype):
+    """The whole model as the unit, called with labels: its scalar loss was refused as 'an
+    output without a batch dim ... pass batch_dim ... position ids'. Now it names the loss
+    inside the unit; the loss outside (the model called without labels) is exact."""
+    torch.manual_seed(0)
+    model, x, y = ReturnsItsLoss().to(dtype), torch.randn(5, 3, dtype=dtype), torch.arange(5) % 2
+    with psh.add_hooks(model, units=[""]):
+        model(x, labels=y)[0].backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"ReturnsItsLoss: output 0 is a scalar "
+                           r"that reaches the loss.*without labels"):
+            psh.compute_norms(model)
+    model.zero_grad(set_to_none=True)
+    grads = {}  # the float64 loop: sample i's loss, with its labels, by the model itself
+    for i in range(5):
+        reference = copy.deepcopy(model).double()
+        reference(x[i:i + 1].double(), labels=y[i:i + 1])[0].backward()
+        for n, p in reference.named_parameters():
+            grads.setdefault(n, []).append(p.grad)
+    with psh.add_hooks(model, units=[""]):
+        nn.functional.cross_entropy(model(x)[0], y).backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), torch.stack(grads[n]),
+                                       **loop_tolerance(dtype))
+
+
 class MergedForTheForward(nn.Module):
     """Merges a low-rank update into its frozen weight for each forward and takes it out again
     by replacing the parameter, as peft's LoRA on ``MultiheadAttention`` does, and counts its

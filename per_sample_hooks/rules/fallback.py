@@ -424,6 +424,14 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         if not passes:
             continue
         spec = layout.outputs[j]
+        if passes[0].dim() == 0:
+            raise PerSampleHooksError(
+                f"{type(module).__name__}: output {j} is a scalar that reaches the loss: a "
+                "reduction over the batch computed inside the module (the loss of a model "
+                "called with labels=, in transformers), whose samples per-sample gradients "
+                "cannot tell apart. Compute the loss outside it: call the model without labels "
+                "and the loss on its logits (reduction='none' for per-sample losses), or make "
+                "a submodule without the loss (the backbone) the unit")
         if spec is None or passes[0].dim() <= spec or passes[0].shape[spec] != layout.batch_size:
             raise PerSampleHooksError(
                 f"{type(module).__name__}: output {j} received a gradient without a batch dim "
