@@ -23,6 +23,7 @@ from .curvature import (
 from .dp import DPSGD
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Dense, Outer, Rows, Unfolded
+from .forms.groups import JointGroups
 from .hessian import batch_hessian
 from .norms import clip_grads, compute_norms
 from .rules import Rule, RuleRegistry, register_rule
@@ -44,7 +45,7 @@ __all__ = [
     "conv_transpose_inputs", "conv_transpose_weight_factors",
     "FallbackRule", "Layout", "register_layout", "Outer", "Rows", "Dense", "Unfolded",
 ]
-__all__ += ["compute_norms", "clip_grads", "DPSGD"]
+__all__ += ["compute_norms", "clip_grads", "DPSGD", "JointGroups"]
 __all__ += ["clipping", "dp", "distributed", "optim", "batch_hessian"]
 __all__ += ["backprop_hess", "compute_hess", "compute_kfac", "KFACFactors",
             "compute_fisher_diag", "compute_grad_variance", "compute_gram"]

@@ -98,6 +98,7 @@ from .capture import unwrap
 from .clipping import MaxGradNorm, threshold_argument
 from .curvature import KFACFactors
 from .errors import PerSampleHooksError
+from .forms.groups import RowGrouping
 from .norms import clip_grads_of_rank
 from .sharded import ANOTHER_RANK_REFUSED, is_sharded
 
@@ -223,7 +224,7 @@ def trainable_grads(model: nn.Module) -> list[Tensor]:
 @torch.no_grad()
 def clip_and_reduce(model: nn.Module, max_grad_norm: MaxGradNorm, loss_type: LossType = "mean",
                     group: dist.ProcessGroup | None = None, *,
-                    groups: Tensor | int | None = None) -> tuple[Tensor, int]:
+                    groups: RowGrouping | None = None) -> tuple[Tensor, int]:
     """:func:`clip_grads`, also returning the global batch size (of groups, with ``groups``)."""
     _check_initialized("distributed.clip_grads")
     try:
@@ -239,7 +240,7 @@ def clip_and_reduce(model: nn.Module, max_grad_norm: MaxGradNorm, loss_type: Los
 
 def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                loss_type: LossType = "mean", group: dist.ProcessGroup | None = None, *,
-               groups: Tensor | int | None = None, max_norm: float | None = None) -> Tensor:
+               groups: RowGrouping | None = None, max_norm: float | None = None) -> Tensor:
     """DP clipping over the global batch: on every rank ``p.grad`` becomes the clipped mean
     (``loss_type="mean"``) or sum over all ranks' samples, as one process would get on the
     concatenated batch. Each rank clips its own samples (:func:`per_sample_hooks.clip_grads`,

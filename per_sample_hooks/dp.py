@@ -46,6 +46,7 @@ from .capture import get_state
 from .clipping import AdaptiveClipping, MaxGradNorm, Thresholds, thresholds
 from .edges import OutputEdges
 from .errors import PerSampleHooksError
+from .forms.groups import RowGrouping
 from .noise import FlatBuffers, GaussianNoise, gaussian_, noise_generator
 from .norms import clip_grads
 from .sharded import like, sharded_parameters
@@ -420,7 +421,7 @@ class DPSGD:
         return self._last_batch_empty if empty_batch is None else empty_batch
 
     @torch.no_grad()
-    def _clip(self, empty_batch: bool, groups: Tensor | int | None = None
+    def _clip(self, empty_batch: bool, groups: RowGrouping | None = None
               ) -> tuple[Tensor, float]:
         """Clip this (micro-)batch (its groups of rows with ``groups``): ``p.grad * scale``
         becomes its clipped sum (over every rank under DDP). Returns the (unclipped) local
@@ -471,7 +472,7 @@ class DPSGD:
         return state.status.backward_seen and not state.status.consumed
 
     @torch.no_grad()
-    def accumulate(self, empty_batch: bool | None = None, groups: Tensor | int | None = None
+    def accumulate(self, empty_batch: bool | None = None, groups: RowGrouping | None = None
                    ) -> Tensor:
         """Clip this micro-batch and add its clipped sum to the current batch's, without
         stepping (:meth:`step` ends the batch). Returns the micro-batch's unclipped norms."""
@@ -490,7 +491,7 @@ class DPSGD:
         return norms
 
     @torch.no_grad()
-    def privatize(self, empty_batch: bool | None = None, groups: Tensor | int | None = None
+    def privatize(self, empty_batch: bool | None = None, groups: RowGrouping | None = None
                   ) -> Tensor:
         """Replace ``p.grad`` by the noisy clipped mean of the batch (of its micro-batches added
         by :meth:`accumulate`, and of the backward since, if any); return the (unclipped)
@@ -547,7 +548,7 @@ class DPSGD:
                                                   self.batch_size)
         self.thresholds, self._unclipped = Thresholds((threshold,)), 0
 
-    def step(self, empty_batch: bool | None = None, groups: Tensor | int | None = None
+    def step(self, empty_batch: bool | None = None, groups: RowGrouping | None = None
              ) -> Tensor:
         """Privatize the gradients of this batch, step the optimizer and the accountant (and
         the adaptive threshold); after a piece of a batch from ``batches(max_micro_batch=)``

@@ -20,7 +20,7 @@ from .capture import HookState
 from .clipping import MaxGradNorm, Thresholds, check_max_norm, threshold_argument, thresholds
 from .errors import PerSampleHooksError
 from .forms import contract_samples
-from .forms.groups import RowGroups, regroup, row_groups
+from .forms.groups import RowGrouping, RowGroups, regroup, row_groups
 from .quantities import KeptGrads, norms_squared, weighted_sum
 from .rules.base import written_grad1
 from .sharded import RankAgreement, ShardedGrads, is_sharded, with_full_values
@@ -140,7 +140,7 @@ def _check_finite(norms: Tensor, squared: dict[str, Tensor], caller: str) -> Non
 @with_full_values
 @torch.no_grad()
 def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False, *,
-                  groups: Tensor | int | None = None) -> Tensor | dict[str, Tensor]:
+                  groups: RowGrouping | None = None) -> Tensor | dict[str, Tensor]:
     """After one backward: the L2 norm of each sample's gradient, ``[B]``.
 
     Exactly the norms of what :func:`compute_grad1` would give (all trainable parameters of
@@ -149,11 +149,13 @@ def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: boo
     ``model.named_parameters()``. Raises if a norm is not finite, naming the samples.
 
     ``groups``: the norms of groups of rows instead, ``[count]``, each group's gradient the
-    mean of its rows' (see :func:`clip_grads`).
+    mean of its rows', or of :class:`~per_sample_hooks.forms.groups.JointGroups` the
+    gradient of its own loss (see :func:`clip_grads`).
     """
     state, step = prepare_step(model, loss_type, "compute_norms",
                                grouped=groups is not None)
-    rows = None if groups is None else row_groups(groups, step.batch_size, "compute_norms")
+    rows = None if groups is None else row_groups(groups, step.batch_size, "compute_norms",
+                                                  loss_type == "mean")
     if step.batch_size == 0:
         return _empty_batch_norms(model, step, per_param)
     # on a checked step the check reads again what the norms materialized; else nothing does
@@ -320,7 +322,7 @@ def _row_weights(coefficients: Tensor, rows: RowGroups | None, step: Step,
 
 
 def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
-               loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
+               loss_type: LossType = "mean", *, groups: RowGrouping | None = None,
                release_records: bool = False, max_norm: float | None = None) -> Tensor:
     """After one ordinary backward, replace ``p.grad`` with the per-sample-clipped gradient.
     (Of a DistributedDataParallel model in a process group of several ranks:
@@ -343,11 +345,15 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
     Groups of rows (augmentation multiplicity, user-level DP): ``groups`` an int ``K`` (rows
     ``gK..gK+K-1`` are group ``g``) or a ``[B]`` tensor of group ids; the "samples" clipped are
     then the groups, each group's gradient the *mean* of its rows' gradients (``d l_r / d p``),
-    so a threshold keeps its meaning whatever the group size, and with equal sizes and no
-    clipping ``p.grad`` is the gradient of the loss. ``p.grad = (1/count) sum_g c_g g_g``
-    (mean) or ``sum_g c_g g_g`` (sum); the norms returned are the groups', ``[count]``, in the
-    order of the sorted ids. Computed from the forms of the groups (their rows' positions
-    side by side: the cross terms between a group's rows included) without per-row gradients.
+    so a threshold keeps its meaning whatever the group size, and with equal sizes, a mean
+    loss and no clipping ``p.grad`` is the gradient of the loss. Rows that make a sample's loss
+    together, with no loss of their own (multiple choice, a graph's nodes under a graph-level
+    loss, a bag): ``groups=JointGroups(K or ids)``, each group's gradient that of its own loss
+    (:class:`~per_sample_hooks.forms.groups.JointGroups`), any sizes, either ``loss_type``.
+    ``p.grad = (1/count) sum_g c_g g_g`` (mean) or ``sum_g c_g g_g`` (sum); the norms returned
+    are the groups', ``[count]``, in the order of the sorted ids. Computed from the forms of
+    the groups (their rows' positions side by side: the cross terms between a group's rows
+    included) without per-row gradients.
 
     ``release_records=True`` (what :class:`~per_sample_hooks.dp.DPSGD` does; no other
     ``compute_*`` can read this step then): drop each layer's captured tensors as soon as its
@@ -370,7 +376,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
 @with_full_values
 @torch.no_grad()
 def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
-                       loss_type: LossType = "mean", *, groups: Tensor | int | None = None,
+                       loss_type: LossType = "mean", *, groups: RowGrouping | None = None,
                        release_records: bool = False, max_norm: float | None = None) -> Tensor:
     """:func:`clip_grads` of this process's samples, whatever wraps the model
     (:mod:`per_sample_hooks.distributed` sums the ranks' after it). On an FSDP2 model a
@@ -382,7 +388,7 @@ def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = Non
 
 
 def _clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None,
-                        loss_type: LossType, groups: Tensor | int | None, release_records: bool,
+                        loss_type: LossType, groups: RowGrouping | None, release_records: bool,
                         max_norm: float | None, agreement: RankAgreement) -> Tensor:
     # stacklevel 7: threshold_argument, this, clip_grads_of_rank, torch.no_grad's and
     # with_full_values' wrappers, clip_grads or distributed.clip_and_reduce, then the caller
@@ -392,7 +398,8 @@ def _clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None,
     state, step = prepare_step(model, loss_type, "clip_grads",
                                grouped=groups is not None)
     _check_coverage(step, "clip_grads", model)
-    rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads")
+    rows = None if groups is None else row_groups(groups, step.batch_size, "clip_grads",
+                                                  loss_type == "mean")
     # sharded (FSDP2) parameters: each layer's sum is summed over the ranks as it is written,
     # in an order that every rank follows (an empty batch's too), once the ranks agree that
     # none refused the step (after the last refusal)

@@ -322,8 +322,10 @@ def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim:
             f"('{name}'...) saw {rows} rows, {rows // samples} per sample: the model turns each "
             "sample into several rows before any hooked layer (a multiple-choice head's "
             "[B, C, T] -> [B * C, T]), and each row would be taken as a sample. Pass "
-            f"groups={rows // samples} to compute_norms / clip_grads / DPSGD.step (each "
-            "sample's rows, consecutive, as one group), or add_hooks(model, batch_dim=...) "
+            f"groups=per_sample_hooks.JointGroups({rows // samples}) to compute_norms / "
+            "clip_grads / DPSGD.step when a sample's rows make its loss together (choices "
+            f"scored jointly), groups={rows // samples} when each row has a loss of its own (a "
+            "sample's gradient then the mean of its rows'); or add_hooks(model, batch_dim=...) "
             "if the batch is not dim 0 of the model's inputs")
 
 

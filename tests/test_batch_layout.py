@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import per_sample_hooks as psh
-from ground_truth import loop_grads, loop_tolerance, weighted_square
+from ground_truth import loop_grads, loop_grads_of, loop_tolerance, weighted_square
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -48,10 +48,12 @@ class MultipleChoice(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_of_several_per_sample_are_refused_and_exact_as_groups(dtype):
+def test_rows_of_several_per_sample_are_refused_and_exact_as_joint_groups(dtype):
     """A multiple-choice model: every compute_* refuses to take the ``B * C`` rows as samples
-    and names ``groups=C``; clip_grads with ``groups=3`` is the loop's clipped mean. Before,
-    the 12 rows were taken as 12 samples (clipped per choice: the DP bound broken)."""
+    and names ``groups=JointGroups(C)``; clip_grads with it is the loop's clipped mean or sum.
+    Before, the 12 rows were taken as 12 samples (clipped per choice: the DP bound broken);
+    then the advice ``groups=3`` (a group the mean of its rows') gave a sum loss 1/3 of the
+    norms and of the clipped sum. It is still exact for a mean loss."""
     torch.manual_seed(0)
     model = MultipleChoice().to(dtype)
     ids = torch.randint(0, 11, (4, 3, 5))
@@ -63,15 +65,86 @@ def test_rows_of_several_per_sample_are_refused_and_exact_as_groups(dtype):
             model.zero_grad(set_to_none=True)
             weighted_square(model(ids)).mean().backward()
             with pytest.raises(psh.PerSampleHooksError, match=r"called with 4 samples, but its "
-                               r"hooked layers .* saw 12 rows, 3 per sample.*groups=3"):
+                               r"hooked layers .* saw 12 rows, 3 per sample.*"
+                               r"groups=per_sample_hooks.JointGroups\(3\)"):
                 refused(model)
-        model.zero_grad(set_to_none=True)
-        weighted_square(model(ids)).mean().backward()
-        got = psh.clip_grads(model, 0.3, groups=3)
-    torch.testing.assert_close(got.double(), norms, **loop_tolerance(dtype))
-    for name, p in model.named_parameters():
-        clipped = torch.einsum("b,b...->...", factors, expected[name]) / 4
-        torch.testing.assert_close(p.grad.double(), clipped, **loop_tolerance(dtype))
+        for loss_type, groups in (("mean", psh.JointGroups(3)), ("sum", psh.JointGroups(3)),
+                                  ("mean", 3)):
+            model.zero_grad(set_to_none=True)
+            losses = weighted_square(model(ids))
+            (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+            got = psh.clip_grads(model, 0.3, loss_type, groups=groups)
+            torch.testing.assert_close(got.double(), norms, **loop_tolerance(dtype))
+            for name, p in model.named_parameters():
+                clipped = torch.einsum("b,b...->...", factors, expected[name])
+                clipped = clipped / 4 if loss_type == "mean" else clipped
+                what = f"{loss_type} {groups}"
+                torch.testing.assert_close(p.grad.double(), clipped, **loop_tolerance(dtype),
+                                           msg=lambda m, what=what: f"{what}: {m}")
+
+
+class SumReadout(nn.Module):
+    """A graph net on a batch of graphs as one node tensor: message passing along edges, a
+    score per node summed into its graph's (every hooked layer sees the nodes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.score = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, edges, graph_of, graphs):
+        h = torch.tanh(self.embed(x))
+        h = h + torch.zeros_like(h).index_add_(0, edges[1], h[edges[0]])
+        return self.score(h).new_zeros(graphs, 2).index_add_(0, graph_of, self.score(h))
+
+
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graphs_of_any_size_as_joint_groups(dtype, loss_type):
+    """Graphs of 2, 5, 1 and 4 nodes, their nodes shuffled: groups=JointGroups(node -> graph)
+    gives each graph's norm and the clipped mean (sum) of the loop over graphs, and a DPSGD
+    step with noise 0. Plain groups= (a graph the mean of its nodes' gradients) gave N/(G n_g)
+    (mean) or 1/n_g (sum) of the norms, silently."""
+    torch.manual_seed(0)
+    model = SumReadout().to(dtype)
+    sizes = [2, 5, 1, 4]
+    generator = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, 3, generator=generator, dtype=torch.float64) for n in sizes]
+    links = [torch.randint(0, n, (2, 2 * n), generator=generator) for n in sizes]
+    reference = copy.deepcopy(model).double()
+    expected = loop_grads_of(reference, ([x, e, torch.zeros(len(x), dtype=torch.long), 1]
+                                         for x, e in zip(xs, links)), weighted_square)
+    norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    factors = (0.3 / (norms + 1e-6)).clamp(max=1.0)
+    starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+    order = torch.randperm(sum(sizes), generator=generator)  # node i of the batch: order[i]
+    place = torch.empty_like(order)
+    place[order] = torch.arange(len(order))
+    x = torch.cat(xs)[order].to(dtype)
+    edges = place[torch.cat([e + s for e, s in zip(links, starts)], 1)]
+    graph_of = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])[order]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    dp = psh.DPSGD(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.3,
+                   dataset_size=8, batch_size=4, loss_type=loss_type, accountant=None)
+    with psh.add_hooks(model):
+        losses = weighted_square(model(x, edges, graph_of, 4))
+        (losses.mean() if loss_type == "mean" else losses.sum()).backward()
+        got = psh.compute_norms(model, loss_type, groups=psh.JointGroups(graph_of))
+        torch.testing.assert_close(got.double(), norms, **loop_tolerance(dtype))
+        psh.clip_grads(model, 0.3, loss_type, groups=psh.JointGroups(graph_of))
+        for name, p in model.named_parameters():
+            clipped = torch.einsum("b,b...->...", factors, expected[name])
+            clipped = clipped / 4 if loss_type == "mean" else clipped
+            torch.testing.assert_close(p.grad.double(), clipped, **loop_tolerance(dtype))
+        before = [p.detach().clone() for p in model.parameters()]
+        dp.zero_grad()
+        losses = weighted_square(model(x, edges, graph_of, 4))
+        dp.backward(losses.mean() if loss_type == "mean" else losses.sum())
+        dp.step(groups=psh.JointGroups(graph_of))
+        for (name, p), start in zip(model.named_parameters(), before):  # the clipped sum / 4
+            step = torch.einsum("b,b...->...", factors, expected[name]) / 4
+            torch.testing.assert_close((start - p.detach()).double(), step,
+                                       **loop_tolerance(dtype))
+    dp.close()
 
 
 class SoftPrompt(nn.Module):

@@ -1,6 +1,8 @@
 """Groups of rows: the batch's rows (samples as the hooks see them) gathered into groups whose
 gradient is the *mean* of their rows' gradients (augmentation multiplicity: the K augmented
-copies of one example; user-level DP: all rows of one user).
+copies of one example; user-level DP: all rows of one user), or, for :class:`JointGroups`, the
+gradient of the group's own loss, which its rows make together (multiple choice: a sample's C
+choices; a graph's nodes; a bag's instances).
 
 A group's gradient is again a form, built without per-row gradients: an :class:`~.core.Outer`
 of a group is the Outer of its rows with their positions concatenated (``sum_r G_r^T A_r`` is
@@ -19,11 +21,31 @@ from .core import Dense, Form, Outer, Rows, Unfolded, features, side_by_side
 
 
 @dataclass(frozen=True)
+class JointGroups:
+    """``groups=JointGroups(K or ids)``: groups of rows (as ``groups=K`` or ``groups=ids``)
+    that make one sample's loss together, each row no loss of its own: a multiple-choice
+    model's ``[B, C, T] -> [B * C, T]`` choices scored jointly, a graph's nodes under a
+    graph-level loss, a bag's instances. Each group's gradient is the gradient of its own loss
+    ``l_g``, the batch's loss being ``(1/count) sum_g l_g`` (``loss_type="mean"``) or
+    ``sum_g l_g`` (``"sum"``), whatever the groups' sizes: its rows' contributions summed.
+    (Plain ``groups=``: each row has a loss of its own, a group's gradient is the mean of its
+    rows'; the two agree for a mean loss over groups of one size.)"""
+    groups: Tensor | int
+
+
+RowGrouping = Tensor | int | JointGroups
+"""What ``groups=`` takes: ``K``, ``[B]`` ids, or either as :class:`JointGroups`."""
+
+
+@dataclass(frozen=True)
 class RowGroups:
     """On the CPU (moved where a form needs them): ``ids [B]``: each row's group in
     ``0..count-1``; ``index [count, K]``: the rows of each group (``K`` the largest group),
-    padded with ``B`` (a zero row); ``weights [B]``: ``1 / size`` of each row's group (the
-    mean); ``contiguous``: group ``g`` is rows ``gK..gK+K-1``."""
+    padded with ``B`` (a zero row); ``weights [B]``: each row's weight in its group's gradient
+    as captured: ``1 / size`` of its group (the mean of its rows'), or for
+    :class:`JointGroups` ``count / B`` (mean loss: the captured rows carry ``1 / B``, a
+    group's loss ``1 / count``) or 1 (sum); ``contiguous``: group ``g`` is rows
+    ``gK..gK+K-1``."""
     ids: Tensor
     index: Tensor
     weights: Tensor
@@ -38,13 +60,21 @@ class RowGroups:
         return self.ids.shape[0]
 
 
-def row_groups(groups: Tensor | int, batch: int, caller: str) -> RowGroups:
+def row_groups(groups: RowGrouping, batch: int, caller: str,
+               mean: bool = True) -> RowGroups:
     """:class:`RowGroups` from ``groups``: an int ``K`` (rows ``gK..gK+K-1`` form group ``g``, a
     ``[B // K, K]`` layout of the batch) or a ``[B]`` integer tensor of group ids (any values;
-    groups numbered by sorted id)."""
+    groups numbered by sorted id), or either as a :class:`JointGroups` (``mean``: the loss is
+    a mean)."""
+    if isinstance(groups, JointGroups):
+        rows = row_groups(groups.groups, batch, caller)
+        share = rows.count / batch if mean and batch else 1.0
+        return RowGroups(rows.ids, rows.index, torch.full_like(rows.weights, share),
+                         rows.contiguous)
     if isinstance(groups, bool) or not isinstance(groups, (int, Tensor)):
-        raise TypeError(f"{caller}: groups must be an int K (groups of K consecutive rows) or a "
-                        f"[batch] tensor of integer group ids, got {type(groups).__name__}")
+        raise TypeError(f"{caller}: groups must be an int K (groups of K consecutive rows), a "
+                        "[batch] tensor of integer group ids, or either as JointGroups(...), "
+                        f"got {type(groups).__name__}")
     if isinstance(groups, int):
         if groups < 1 or batch % groups:
             raise ValueError(f"{caller}: groups={groups} consecutive rows must divide the batch "
@@ -97,7 +127,8 @@ def _gathered_build(acts: Unfolded, groups: RowGroups) -> Unfolded:
 
 
 def regroup(form: Form, groups: RowGroups) -> Form:
-    """The form of each group's gradient, the mean of its rows' (``count`` samples)."""
+    """The form of each group's gradient, its rows' weighted by ``groups.weights`` (``count``
+    samples)."""
     if isinstance(form, Dense):
         weights = groups.weights.to(form.per_sample)
         rows = form.per_sample * weights.view(-1, *[1] * (form.per_sample.dim() - 1))
@@ -116,4 +147,4 @@ def regroup(form: Form, groups: RowGroups) -> Form:
     return Outer(grads, acts, form.block)
 
 
-__all__ = ["RowGroups", "row_groups", "regroup"]
+__all__ = ["JointGroups", "RowGrouping", "RowGroups", "row_groups", "regroup"]
