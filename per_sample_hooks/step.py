@@ -301,7 +301,9 @@ def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim:
     taken as the samples. Rows counted by some dim of the model's inputs (a sequence-first
     input, whose batch is not at the dim ``add_hooks`` was given) and other mismatches are
     left alone."""
-    if not shapes or any(rows in shape for shape in shapes):
+    # (the rows at the first two dims only: a multiple-choice input [B, C, T] with T = B * C
+    # rows is no sequence-first input)
+    if not shapes or any(rows in shape[:2] for shape in shapes):
         return
     at_dim = {shape[batch_dim] for shape in shapes if len(shape) > batch_dim}
     samples = at_dim.pop() if len(at_dim) == 1 else None

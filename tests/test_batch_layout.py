@@ -83,6 +83,18 @@ def test_rows_of_several_per_sample_are_refused_and_exact_as_joint_groups(dtype)
                                            msg=lambda m, what=what: f"{what}: {m}")
 
 
+def test_rows_of_several_per_sample_are_refused_when_a_dim_has_as_many():
+    """Choices of 12 tokens, 4 samples of 3 choices: 12 rows. The refusal was skipped because
+    some dim of the input had as many (taken for a sequence-first batch), and the 12 rows
+    were clipped as samples."""
+    torch.manual_seed(0)
+    model = MultipleChoice()
+    with psh.add_hooks(model):
+        weighted_square(model(torch.randint(0, 11, (4, 3, 12)))).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"saw 12 rows, 3 per sample"):
+            psh.clip_grads(model, 0.3)
+
+
 class SumReadout(nn.Module):
     """A graph net on a batch of graphs as one node tensor: message passing along edges, a
     score per node summed into its graph's (every hooked layer sees the nodes)."""

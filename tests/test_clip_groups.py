@@ -242,6 +242,21 @@ def test_bad_groups_of_rows(groups, error, message):
         psh.remove_hooks(model)
 
 
+def test_groups_as_a_numpy_integer_or_a_0_dim_tensor():
+    """As max_grad_norm takes them: the same as the int (they were refused)."""
+    import numpy as np
+    model, inputs = build("linear")
+    results = []
+    for groups in (3, np.int64(3), torch.tensor(3)):
+        hooked_backward(model, inputs, sum_of_outputs)
+        try:
+            results.append(psh.clip_grads(model, 1.0, groups=groups))
+        finally:
+            psh.remove_hooks(model)
+    for got in results[1:]:
+        torch.testing.assert_close(got, results[0], rtol=0, atol=0)
+
+
 def test_batchnorm_in_training_mode_is_still_refused_with_groups():
     """Batch statistics mix the rows of different groups: refused as without groups."""
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
