@@ -396,7 +396,8 @@ class DPSGD:
 
     def zero_grad(self) -> None:
         """The optimizer's ``zero_grad(set_to_none=True)``; forgets the outputs recorded for
-        :meth:`backward` (an unused forward's): call it before the forward."""
+        :meth:`backward` (an unused forward's; between forward and backward, the backward is
+        then an ordinary one)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.output_edges.clear()
 

@@ -98,11 +98,15 @@ class OutputEdges:
         on a step the unseen-use check runs, and through reentrant activation checkpointing,
         which refuses a backward to given tensors); forget the records."""
         if not self.edges:
-            raise PerSampleHooksError(
-                "backward: no output of a hooked module was recorded since the last backward "
-                "or DPSGD.zero_grad() (which forgets the outputs recorded before it: call it "
-                "before the forward, not between forward and backward); run the forward pass "
-                "with grad enabled first")
+            if not loss.requires_grad or self._state is None or \
+                    not self._state.model_input_ids:  # the model was not called (with grad)
+                raise PerSampleHooksError(
+                    "backward: no output of a hooked module was recorded since the last "
+                    "backward; run the forward pass with grad enabled first")
+            # the hooked layers run in the backward (all inside reentrant checkpointing,
+            # which recomputes them there), or DPSGD.zero_grad() forgot them: an ordinary one
+            loss.backward()
+            return
         edges = self.take()
         if self.check_due() or self._state.reentrant_checkpointing:
             loss.backward()

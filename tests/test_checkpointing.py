@@ -105,6 +105,29 @@ def test_output_edge_backward_through_checkpointing(reentrant: bool, dtype: torc
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_output_edge_backward_when_every_trainable_layer_is_checkpointed(dtype: torch.dtype
+                                                                       ) -> None:
+    """Only the reentrant-checkpointed block trains (peft's prepare_model_for_kbit_training):
+    its layers run again in the backward, none was recorded in the forward, and DPSGD's
+    backward was refused ('run the forward pass with grad enabled first'). It is an ordinary
+    backward now, exact on its first step."""
+    torch.manual_seed(0)
+    model = Checkpointed(True).to(dtype)
+    model.embed.requires_grad_(False)
+    model.head.requires_grad_(False)
+    x = torch.randn(5, 3, generator=seeded(1)).to(dtype)
+    with psh.add_hooks(model):
+        edges = OutputEdges(model)  # (an input that needs a gradient: enable_input_require_grads)
+        edges.backward(weighted_square(model(x.requires_grad_())).mean())
+        psh.compute_grad1(model)
+        grad1 = {n: p.grad1.clone() for n, p in model.named_parameters() if p.requires_grad}
+    _, _, grads = truth(model, x, "mean")
+    assert grad1.keys() == grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grad1[n].double(), grads[n], **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_curvature_passes_through_checkpointing(dtype: torch.dtype) -> None:
     """``backprop_hess``'s passes leave ``.grad`` alone (``torch.autograd.grad``): through
     non-reentrant checkpointing ``compute_hess`` and ``compute_kfac`` equal those of the same
