@@ -602,14 +602,25 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
     how = (f"its gradient differs by {fraction:.0%} from the hooked contributions"
            if fraction is not None else "autograd added to its .grad before any hooked "
            "module's output received a gradient")
+    holder = holder_of(model, name)
+    root = type(model).__name__ if model is not None else ""  # the whole model's unit's name
+    if any(holder == u or holder.startswith(f"{u}.") or u in ("", root) for u in users):
+        fix = (f"{owners}, a unit already, holds it: the term comes from elsewhere, a term of "
+               "the loss that reads the parameter itself (a regularizer, as peft AdaLoRA's "
+               "orthogonal penalty in its .loss: leave it out of the loss the per-sample "
+               "quantities are taken of, or set its weight to 0) or another module that reads "
+               "it (the output layer of tied embeddings: make it a unit too, or the module "
+               "that holds both)")
+    else:
+        fix = ("it is used outside the forward of "
+               f"{owners}, for example `h @ {name}.t()` or `F.linear(x, {name})`; its "
+               "per-sample gradients would miss that term. Route the use through a module "
+               "(call a module that holds the parameter, e.g. an nn.Linear whose weight is tied "
+               "to it), or let the torch.func fallback handle the module whose forward makes "
+               "that use as one unit (likely the one that holds it: add_hooks(model, "
+               f"units=['{holder}']))")
     raise PerSampleHooksError(
-        f"parameter '{name}' has a gradient term that no hook sees ({how}): it is used "
-        "outside the forward of "
-        f"{owners}, for example `h @ {name}.t()` or `F.linear(x, {name})`; its per-sample "
-        "gradients would miss that term. Route the use through a module (call a module that "
-        "holds the parameter, e.g. an nn.Linear whose weight is tied to it), or let the "
-        "torch.func fallback handle the module whose forward makes that use as one unit "
-        f"(likely the one that holds it: add_hooks(model, units=['{holder_of(model, name)}']))"
+        f"parameter '{name}' has a gradient term that no hook sees ({how}): {fix}"
         + (
             ". Or its .grad held a gradient kept from before this step, which the check took "
             "as this step's (every step it had noted began without one): the next step is "

@@ -81,6 +81,22 @@ def test_whole_model_as_a_unit_is_the_way_out():
     assert_matches_loop(TiedLanguageModel("functional"), [tokens()], units=[""])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_loss_term_of_a_units_parameter_is_named_not_the_unit_again(dtype):
+    """A penalty on a parameter in the loss (AdaLoRA's orthogonal regularizer in its .loss),
+    the parameter's module a unit already (the whole model, or the one the advice named): the
+    refusal named that unit again, a loop. It now says the term comes from elsewhere."""
+    torch.manual_seed(0)
+    model = TiedLanguageModel("module").to(dtype)
+    with psh.add_hooks(model, units=[""]):
+        out = model(tokens())
+        (out.pow(2).mean() + model.lin.weight.square().sum()).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'lin\.weight' has a gradient "
+                           r"term that no hook sees.*'TiedLanguageModel', a unit already, "
+                           r"holds it: the term comes from elsewhere, a term of the loss"):
+            psh.compute_grad1(model)
+
+
 def test_parameter_only_used_outside_any_forward():
     torch.manual_seed(0)
 
