@@ -463,9 +463,8 @@ class DPSGD:
             raise PerSampleHooksError(
                 "DPSGD: virtual batches (max_micro_batch, accumulate) are not supported with "
                 "DistributedDataParallel or FSDP2 (fully_shard): each rank's Poisson batch "
-                "would split into a "
-                "different number of pieces, and every piece needs every rank. Use a smaller "
-                "batch_size per rank, or more ranks")
+                "would split into a different number of pieces, and every piece needs every "
+                "rank. Use a smaller batch_size per rank, or more ranks")
 
     def _backward_pending(self) -> bool:
         """A backward since the last clipping (or a step that began without one)."""

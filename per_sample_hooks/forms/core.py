@@ -372,7 +372,7 @@ def inner_products(a: Form, b: Form, batch: int) -> Tensor:
     positions, entries = acts.shape[1], rows.shape[1]
     step = max(1, ghost.CHUNK_ELEMENTS // max(1, positions * entries))
     result = []
-    for start in range(0, max(batch, 1), step):  # an empty batch: one empty chunk
+    for start in range(0, batch, step):
         chunk = slice(start, start + step)
         along_acts = torch.bmm(acts[chunk], values[chunk].transpose(1, 2))  # [n, T, E]
         picked = grads[chunk].gather(2, rows[chunk, None].expand(-1, positions, -1))

@@ -72,10 +72,9 @@ def row_groups(groups: RowGrouping, batch: int, caller: str,
         share = rows.count / batch if mean and batch else 1.0
         return RowGroups(rows.ids, rows.index, torch.full_like(rows.weights, share),
                          rows.contiguous)
-    if isinstance(groups, Tensor) and groups.dim() == 0 and not groups.is_floating_point() \
-            and groups.dtype != torch.bool or isinstance(groups, numbers.Integral) \
-            and not isinstance(groups, (bool, int)):
-        groups = int(groups)  # a 0-dim integer tensor, a numpy integer
+    scalar = groups.item() if isinstance(groups, Tensor) and groups.dim() == 0 else groups
+    if isinstance(scalar, numbers.Integral) and not isinstance(scalar, bool):
+        groups = int(scalar)  # (a numpy integer, a 0-dim integer tensor)
     if isinstance(groups, bool) or not isinstance(groups, (int, Tensor)):
         raise TypeError(f"{caller}: groups must be an int K (groups of K consecutive rows), a "
                         "[batch] tensor of integer group ids, or either as JointGroups(...), "
