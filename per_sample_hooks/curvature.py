@@ -109,7 +109,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -128,7 +127,7 @@ from .forms.second_order import add_gauss_newton, add_gram, add_squares
 from .quantities import weighted_sum
 from .rules.base import Rule
 from .rules.formed import FormedRule
-from .sharded import full_zeros, with_full_values
+from .sharded import full_zeros, several_ranks, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -389,17 +388,12 @@ def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str, *,
     weighs 0; so it is taken there, where a refusal on one rank would leave the others waiting
     in that mean's all-reduce."""
     state, step = prepare_step(model, loss_type, caller)
-    if step.batch_size == 0 and not (empty_of_rank and _several_ranks()):
+    if step.batch_size == 0 and not (empty_of_rank and several_ranks()):
         raise PerSampleHooksError(
             f"{caller}: the step's batch is empty (0 samples): there is no curvature or second "
             "moment to compute. Skip the call for an empty batch (Poisson sampling draws one "
             "now and then)")
     return state, step
-
-
-def _several_ranks() -> bool:
-    """Whether this process is one of several ranks of an initialized ``torch.distributed``."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @torch.no_grad()

@@ -12,7 +12,6 @@ from collections.abc import Callable, Container
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import forms
@@ -23,7 +22,7 @@ from .forms import contract_samples
 from .forms.groups import RowGrouping, RowGroups, regroup, row_groups
 from .quantities import KeptGrads, norms_squared, weighted_sum
 from .rules.base import written_grad1
-from .sharded import RankAgreement, ShardedGrads, is_sharded, with_full_values
+from .sharded import RankAgreement, ShardedGrads, is_sharded, several_ranks, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -213,8 +212,7 @@ def _check_coverage(step: Step, caller: str, model: nn.Module) -> None:
 
 def _ddp_of_several_ranks(model: nn.Module) -> bool:
     """Whether ``model`` is a DistributedDataParallel in a process group of several ranks."""
-    return isinstance(model, nn.parallel.DistributedDataParallel) and dist.is_available() \
-        and dist.is_initialized() and dist.get_world_size() > 1
+    return isinstance(model, nn.parallel.DistributedDataParallel) and several_ranks()
 
 
 def _captured(layer: LayerWork) -> int:

@@ -51,6 +51,11 @@ def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad and is_sharded(p)]
 
 
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialized ``torch.distributed``."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def full_zeros(p: Tensor) -> Tensor:
     """Zeros of ``p``'s (global) shape, dtype and device: a plain tensor even for a DTensor
     ``p``, for quantities computed from the captured (full, local-sample) tensors."""
@@ -242,6 +247,6 @@ class ShardedGrads:
             p.grad.to_local().copy_(like(full, p).to_local())
 
 
-__all__ = ["is_sharded", "sharded_parameters", "contains_fsdp_unit", "ShardedGrads",
-           "RankAgreement", "ANOTHER_RANK_REFUSED", "full_zeros",
-           "like", "mesh_all_reduce", "with_full_values", "swap_in_full_values"]
+__all__ = ["is_sharded", "sharded_parameters", "several_ranks", "contains_fsdp_unit",
+           "ShardedGrads", "RankAgreement", "ANOTHER_RANK_REFUSED", "full_zeros", "like",
+           "mesh_all_reduce", "with_full_values", "swap_in_full_values"]
