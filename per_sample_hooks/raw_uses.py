@@ -16,7 +16,12 @@ The mode sorts the tensors of the module's own ops into three kinds:
   :class:`Derived` recipe from the parameters, to be replayed at compute time;
 - *batched*: the module's tensor inputs and its children's tensor outputs whose size at the
   module's ``batch_dim`` is the call's batch size ``B``, and every output of an op with a batched
-  input (provenance, not shape: a constant of size ``B`` made inside the forward is no batch);
+  input (provenance, not shape: a constant of size ``B`` made inside the forward is no batch).
+  Batched values whose rows at ``batch_dim`` are other rows, picked by an index or reordered
+  (``h[edge_index[0]]``, ``index_select``, ``gather``, ``flip``, ``sort``, and every value
+  computed from them), are *moved*: a graph's edges are not its nodes even where there are as
+  many. A scatter (``index_add``, ``x[index] = v``) writes into the rows of its first
+  argument, and ``arange(B)`` picks the batch's rows in order;
 - constants: everything else (buffers, ``torch.arange``, frozen parameters).
 
 A derived tensor ``t`` meets the batch at a *use site*: an elementwise broadcasting op (add,
@@ -38,20 +43,21 @@ is ``x @ w`` with ``w`` a raw 2-D parameter (``Outer(x, G)``) or its transpose (
 
 Anything else is refused, never silently followed: a derived tensor in any other op with the
 batch (a product with a weight computed from parameters, ``w @ x`` with the weight first,
-``torch.cat`` of an unexpanded token with the batch, an
-op that mixes the samples), passed to a child module, returned, written in place, or used
-inside a custom ``torch.autograd.Function`` (whose ``apply`` is no torch function: its output
-is caught when it comes back with a gradient); a trainable parameter of a descendant used by
-the module's own code (the descendant's rule would miss that term); a batch that is not at
-``batch_dim``. The call's :attr:`Uses.problem` says what and where, and the rule refuses the
-step with it and with the fix: the module as one unit of the ``torch.func`` fallback,
-``add_hooks(model, units=[name])``. Refused, not switched to that unit by itself: by the time
-a use is seen the children have been hooked and recorded separately, and a unit must be
-chosen before its forward (its outputs are isolated copies); a switch would also hide a
-slowdown of 20x and more on a whole model. What the mode cannot see at all (a derived tensor
-stored on the module and used after its forward, one inside a nested container it does not
-open, a parameter a child reads from its parent) reaches ``p.grad`` and not the use sites:
-the unseen-use check (:mod:`per_sample_hooks.unseen`) reports it.
+``torch.cat`` of an unexpanded token with the batch, an op that mixes the samples, any use on
+moved rows), passed to a child module (so are moved rows to a child with trainable parameters,
+whose rule takes them for the batch's), returned, written in place, or used inside a custom
+``torch.autograd.Function`` (whose ``apply`` is no torch function: its output is caught when it
+comes back with a gradient); a trainable parameter of a descendant used by the module's own
+code (the descendant's rule would miss that term); a batch that is not at ``batch_dim``. The
+call's :attr:`Uses.problem` says what and where, and the rule refuses the step with it and with
+the fix: the module as one unit of the ``torch.func`` fallback, ``add_hooks(model,
+units=[name])``. Refused, not switched to that unit by itself: by the time a use is seen the
+children have been hooked and recorded separately, and a unit must be chosen before its forward
+(its outputs are isolated copies); a switch would also hide a slowdown of 20x and more on a
+whole model. What the mode cannot see at all (a derived tensor stored on the module and used
+after its forward, one inside a nested container it does not open, a parameter a child reads
+from its parent) reaches ``p.grad`` and not the use sites: the unseen-use check
+(:mod:`per_sample_hooks.unseen`) reports it.
 
 Assumption, as everywhere in this library: a tensor of the module's forward that carries the
 batch carries it at ``batch_dim``; an expand of a derived value to size ``B`` there is read as
@@ -135,6 +141,101 @@ BATCH_STATISTICS = (
 REPEAT = _functions("repeat")
 EXPANDS = _functions("expand", "expand_as", "broadcast_to")
 """Ops that broadcast a derived value over the batch (a view: run once to read the shape)."""
+
+
+GATHERS = _functions("index_select", "gather", "take_along_dim", "take", "flip", "roll", "sort")
+"""Ops whose output rows along their ``dim`` are other rows of their input, picked by an index
+or an order (with ``__getitem__`` by a tensor or list index at batch_dim)."""
+
+SCATTERS = _functions(*(f"{name}{suffix}" for name in (
+    "index_add", "index_copy", "index_fill", "index_put", "scatter", "scatter_add",
+    "scatter_reduce") for suffix in ("", "_")))
+"""Ops that write rows of a source into the rows of their first argument by an index: their
+output rows along ``dim`` are that argument's rows."""
+
+_GETITEM = frozenset({Tensor.__getitem__})
+_SETITEM = frozenset({Tensor.__setitem__})
+
+
+def _index_entry(index: object, rank: int, dim: int) -> object:
+    """The entry of a ``__getitem__`` (or ``index_put``) index that indexes dim ``dim`` of a
+    tensor of ``rank`` dims; ``slice(None)`` where none does."""
+    entries = index if isinstance(index, tuple) else (index,)
+
+    def width(entry: object) -> int:
+        if entry is None or entry is Ellipsis:
+            return 0
+        return entry.dim() if isinstance(entry, Tensor) and entry.dtype == torch.bool else 1
+    position = 0
+    for entry in entries:
+        if entry is Ellipsis:
+            position += rank - sum(width(e) for e in entries)
+            if position > dim:
+                return slice(None)
+            continue
+        if position <= dim < position + width(entry):
+            return entry
+        position += width(entry)
+    return slice(None)
+
+
+def _op_dims(func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
+    """The dim (or dims) along which a gather or scatter picks rows; None: the flattened input
+    (``take``, ``roll`` without dims, ``take_along_dim`` without dim)."""
+    name = _name(func).rstrip("_")
+    if name == "take":
+        return None
+    if name == "flip":  # torch.flip(x, dims), Tensor.flip(*dims)
+        return kwargs.get("dims", args[1] if len(args) == 2 else args[1:])
+    if name in ("roll", "take_along_dim"):
+        return kwargs.get("dims", kwargs.get("dim", args[2] if len(args) > 2 else None))
+    if name == "sort":
+        return kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+    return kwargs.get("dim", args[1] if len(args) > 1 else None)
+
+
+def _identity(index: object, size: int) -> bool:
+    """Whether ``index`` picks rows ``0..size-1`` in order (``x[torch.arange(B), last]``)."""
+    if isinstance(index, Tensor) and index.dim() == 1 and len(index) == size:
+        if index.dtype == torch.bool:
+            return bool(index.all())
+        return not index.is_floating_point() and \
+            torch.equal(index, torch.arange(size, device=index.device, dtype=index.dtype))
+    return False
+
+
+def _reorders_rows(func: Callable[..., Any], args: tuple, kwargs: dict, dim: int,
+                   batch_size: int | None) -> bool | None:
+    """Whether ``func``'s output rows at ``dim`` are other rows than its first argument's: True
+    for a gather by an index (``h[edge_index[0]]``, ``index_select``) or a reorder (``flip``,
+    ``sort``), False for a scatter into the first argument's rows (``index_add``), None for
+    any other op (its rows are its inputs' rows)."""
+    source = args[0] if args else kwargs.get("input")
+    if not isinstance(source, Tensor) or source.dim() <= dim:
+        return None
+    if func in _GETITEM:
+        entry = _index_entry(args[1], source.dim(), dim)
+        if isinstance(entry, slice):
+            return None
+        return not _identity(entry, batch_size)
+    if func in _SETITEM or _name(func).startswith("index_put"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        indices = tuple(indices) if isinstance(indices, list) and func not in _SETITEM \
+            else indices
+        return None if isinstance(_index_entry(indices, source.dim(), dim), slice) else False
+    if func in GATHERS or func in SCATTERS:
+        dims = _op_dims(func, args, kwargs)
+        if dims is None:
+            return True
+        dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+        if dim not in [d % source.dim() for d in dims if isinstance(d, int)]:
+            return None
+        if func in SCATTERS:
+            return False
+        index = kwargs.get("index", args[2] if _name(func) == "index_select" and len(args) > 2
+                           else None)
+        return not _identity(index, batch_size)
+    return None
 
 
 def _leaves(args: tuple, kwargs: dict, kind: type) -> list[Any]:
@@ -309,6 +410,9 @@ class _Forward:
             id(p): (p, Derived(name, p)) for name, p in uses.owner._parameters.items()
             if p is not None and p.requires_grad}
         self.batched: dict[int, Tensor] = {}  # held: an id is not reused during the forward
+        # batched values whose rows at batch_dim are not the call's (picked by an index: a
+        # graph's edges, a permutation), even where there are B of them; the op that picked
+        self.moved: dict[int, tuple[Tensor, str]] = {}
         self.add_batched(tensors)
         # computed from derived values with grad mode off: no gradient, unless a custom
         # autograd Function (whose apply the mode does not see) gives them one on return
@@ -338,7 +442,7 @@ class _Forward:
             if any(o.requires_grad for o in _outputs(out)):
                 self.check_inputs(inputs, f"`{_name(func)}`")
             elif any(id(t) in self.batched for t in inputs):
-                self.batched.update((id(o), o) for o in _outputs(out))
+                self.add_results(func, args, kwargs, inputs, out)
             return out
         self.check_inputs(inputs, f"`{_name(func)}`")
         tracked = list({id(t): t for t in inputs if id(t) in self.tracked}.values())
@@ -346,11 +450,22 @@ class _Forward:
         values = " and ".join(_describe(self.tracked[id(t)][1]) for t in tracked)
         if not tracked or not torch.is_grad_enabled():  # no gradient reaches a parameter
             out = func(*args, **kwargs)
-            for o in _outputs(out):
-                if batched:
-                    self.batched[id(o)] = o
-                if tracked:
-                    self.unseen[id(o)] = (o, values)
+            if batched:
+                self.add_results(func, args, kwargs, inputs, out)
+            if tracked:
+                self.unseen.update((id(o), (o, values)) for o in _outputs(out))
+            return out
+        moved = next((self.moved[id(t)][1] for t in inputs if id(t) in self.moved), None)
+        if moved is not None:
+            self.refuse(
+                f"uses its raw parameter(s) {values} in `{_name(func)}` on rows that `{moved}` "
+                "picked along batch_dim by an index (a graph's edges, a token's expert, a "
+                "permutation): they are not the batch's rows, even where there are B of them. "
+                "A unit re-runs each sample alone: exact where the index comes from the "
+                "sample's own values (a router's), not where it picks rows of every sample (a "
+                "graph's edge_index: apply the parameter to the rows before they are picked)")
+            out = func(*args, **kwargs)
+            self.add_results(func, args, kwargs, inputs, out)
             return out
         target = args[0] if args else kwargs.get("input")
         if _in_place(func, kwargs) and (id(target) in self.tracked or not batched):
@@ -382,10 +497,27 @@ class _Forward:
                 "`p.expand(B, -1, -1)`, and `F.linear(x, p, b)`, `x @ p` and `x @ p.T` of raw "
                 "parameters, with the batch of size B at batch_dim)")
             out = func(*args, **kwargs)
-            for o in _outputs(out):
-                self.batched[id(o)] = o
+            self.add_results(func, args, kwargs, inputs, out)
             return out
         return self.derive(func, args, kwargs)
+
+    def add_results(self, func: Callable[..., Any], args: tuple, kwargs: dict,
+                    inputs: list[Tensor], out: object) -> None:
+        """Record the outputs of an op with a batched input as batched, and as moved where
+        their rows are not the call's (:func:`_reorders_rows`)."""
+        order = _reorders_rows(func, args, kwargs, self.uses.batch_dim, self.batch_size)
+        if order is None:
+            moved = next((self.moved[id(t)][1] for t in inputs if id(t) in self.moved), None)
+        elif order:
+            moved = "__getitem__" if func in _GETITEM else _name(func)
+        else:  # a scatter into the rows of its first argument
+            moved = self.moved.get(id(args[0] if args else kwargs.get("input")), (0, None))[1]
+        for o in _outputs(out):
+            self.batched[id(o)] = o
+            if moved is None:
+                self.moved.pop(id(o), None)
+            else:
+                self.moved[id(o)] = (o, moved)
 
     def output_shape(self, func: Callable[..., Any], args: tuple, kwargs: dict,
                      inputs: list[Tensor]) -> tuple[int, ...] | None:
@@ -556,6 +688,12 @@ class _Forward:
                 self.refuse(f"passes a value of its raw parameter(s) {_describe(entry[1])} to "
                             f"{where} ({type(child).__name__}), whose rule does not see that "
                             "use")
+            moved = self.moved.get(id(t))
+            if moved is not None and any(p.requires_grad for p in child.parameters()):
+                self.refuse(f"passes rows that `{moved[1]}` picked along batch_dim by an index "
+                            "(a graph's edges, a token's expert, a permutation) to "
+                            f"{where} ({type(child).__name__}), whose rule takes its rows for "
+                            "the batch's")
 
     def check_output(self, output: object) -> None:
         tensors = _flat_tensors(output)

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import per_sample_hooks as psh
@@ -381,3 +382,107 @@ def test_positions_from_a_buffer_of_the_batch_are_no_shared_table(batch, expand,
     torch.manual_seed(0)
     model = ExpandedPositions().to(dtype)
     assert_grad1_matches_loop(model, [torch.randint(0, 10, (batch, 5)), expand])
+
+
+class GraphAttention(nn.Module):
+    """torch_geometric's GATConv (one head) written out: raw attention vectors on the node rows
+    before the edges pick them (``(h * att).sum(-1)[edges[0]]``), a softmax over each node's
+    incoming edges, the messages summed back into the node rows, then a raw bias.
+    ``on_edges``: GATv2's ``(leaky_relu(h[src] + h[dst]) * att).sum(-1)``, the attention
+    vector applied to the edge rows."""
+
+    def __init__(self, on_edges: bool = False):
+        super().__init__()
+        self.lin, self.on_edges = nn.Linear(3, 4), on_edges
+        self.att_src, self.att_dst = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, edges):
+        h = self.lin(x)
+        src, dst = edges
+        if self.on_edges:
+            e = (F.leaky_relu(h[src] + h[dst], 0.2) * self.att_src).sum(-1)
+        else:
+            e = F.leaky_relu((h * self.att_src).sum(-1)[src] + (h * self.att_dst).sum(-1)[dst],
+                             0.2)
+        w = torch.exp(e)
+        total = torch.zeros(len(x), dtype=w.dtype).index_add_(0, dst, w)
+        messages = (w / total[dst])[:, None] * h[src]
+        return torch.zeros_like(h).index_add_(0, dst, messages) + self.bias
+
+
+class AttentionReadout(nn.Module):
+    def __init__(self, on_edges: bool = False):
+        super().__init__()
+        self.gat, self.score = GraphAttention(on_edges), nn.Linear(4, 2)
+
+    def forward(self, x, edges, graph_of, graphs):
+        scores = self.score(torch.tanh(self.gat(x, edges)))
+        return scores.new_zeros(graphs, 2).index_add_(0, graph_of, scores)
+
+
+def batch_of_graphs(sizes, dtype, seed=1, edges_per_node=1):
+    """Graphs of ``sizes`` nodes, each node with a self loop and ``edges_per_node - 1`` random
+    incoming edges, their nodes shuffled into one batch: the graphs alone (float64 nodes, edges)
+    and the batch's nodes, edges and node -> graph ids."""
+    generator = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, 3, generator=generator, dtype=torch.float64) for n in sizes]
+    links = [torch.cat([torch.arange(n).expand(2, n),
+                        torch.randint(0, n, (2, (edges_per_node - 1) * n), generator=generator)],
+                       1) for n in sizes]
+    starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+    order = torch.randperm(sum(sizes), generator=generator)
+    place = torch.empty_like(order)
+    place[order] = torch.arange(len(order))
+    edges = place[torch.cat([e + s for e, s in zip(links, starts)], 1)]
+    graph_of = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])[order]
+    return list(zip(xs, links)), torch.cat(xs)[order].to(dtype), edges, graph_of
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graph_attention_with_raw_vectors_on_node_rows_is_exact(dtype):
+    """GATConv's raw attention vectors meet the node rows, and its bias the rows the messages
+    were summed back into (a scatter into node rows): per-graph norms of every parameter and
+    the clipped sum are the loop's, with graphs of 3, 1, 4 and 2 nodes and 2 edges per node
+    (E != N) or 1 (E == N)."""
+    torch.manual_seed(0)
+    for edges_per_node in (2, 1):
+        model = AttentionReadout().to(dtype)
+        graphs, x, edges, graph_of = batch_of_graphs([3, 1, 4, 2], dtype,
+                                                     edges_per_node=edges_per_node)
+        expected = loop_grads_of(copy.deepcopy(model).double(),
+                                 ([x1, e, torch.zeros(len(x1), dtype=torch.long), 1]
+                                  for x1, e in graphs), weighted_square)
+        norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+        factors = (0.3 / (norms + 1e-6)).clamp(max=1.0)
+        with psh.add_hooks(model):
+            weighted_square(model(x, edges, graph_of, 4)).sum().backward()
+            got = psh.compute_norms(model, "sum", groups=psh.JointGroups(graph_of),
+                                    per_param=True)
+            assert set(got) == set(expected)
+            for name, grads in expected.items():
+                torch.testing.assert_close(got[name].double(), grads.flatten(1).norm(dim=1),
+                                           **loop_tolerance(dtype))
+            psh.clip_grads(model, 0.3, "sum", groups=psh.JointGroups(graph_of))
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(
+                    p.grad.double(), torch.einsum("b,b...->...", factors, expected[name]),
+                    **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_raw_vector_on_edge_rows_is_refused_even_with_as_many_edges_as_nodes(dtype):
+    """GATv2's attention vector meets the edges' rows. With one edge per node (E == N) they were
+    taken for the node rows: per-graph norms of ``att_src`` 60x off, with no error. Refused now,
+    as it was with E != N, naming the parameter and the gather."""
+    torch.manual_seed(0)
+    for edges_per_node in (1, 2):
+        model = AttentionReadout(on_edges=True).to(dtype)
+        _, x, edges, graph_of = batch_of_graphs([3, 1, 4, 2], dtype,
+                                                edges_per_node=edges_per_node)
+        with psh.add_hooks(model):
+            weighted_square(model(x, edges, graph_of, 4)).sum().backward()
+            with pytest.raises(psh.PerSampleHooksError,
+                               match=r"'gat' \(GraphAttention\) uses its raw parameter\(s\) "
+                                     r"'att_src' in `mul` on rows that `__getitem__` picked"):
+                psh.compute_norms(model, "sum", groups=psh.JointGroups(graph_of))

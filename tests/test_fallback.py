@@ -1025,3 +1025,31 @@ def test_a_unit_with_an_eval_batch_norm_under_a_channels_last_gradient(stem, uni
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.grad1.double(), expected[name],
                                            **loop_tolerance(dtype))
+
+
+class Neighbours(nn.Module):
+    """A graph layer: each node's row plus its neighbour's, by an index into the rows of the
+    whole batch (not split by sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, edges):
+        h = self.lin(x)
+        return h + torch.zeros_like(h).index_add_(0, edges[1], h[edges[0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_indexing_rows_of_other_samples_is_refused_naming_the_index(dtype):
+    """Its re-run one sample at a time indexes past the sample's one row: refused naming the
+    unit and an index not split by sample, where it raised a bare IndexError."""
+    torch.manual_seed(0)
+    model = Neighbours().to(dtype)
+    x, edges = torch.randn(4, 3, dtype=dtype), torch.tensor([[0, 1, 2, 3, 1], [1, 0, 3, 2, 2]])
+    with psh.add_hooks(model, units=[""]):
+        model(x, edges).square().sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"Neighbours, a unit of the torch.func "
+                           r"fallback, could not be re-run per sample.*IndexError.*An index "
+                           r"among its inputs that is not split by sample"):
+            psh.compute_norms(model)

@@ -335,6 +335,23 @@ def images(batch: int) -> list[Tensor]:
     return [torch.randn(batch, 3, 8, 8)]
 
 
+class PicksItsOwnRows(nn.Module):
+    """Rows picked along the batch dim in their own order (``h[torch.arange(B), -1]``, a
+    classifier's last-token pooling; ``index_select`` of ``arange(B)``) and scattered into the
+    rows of a batched value: the batch's rows still, followed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.gamma, self.beta = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):  # [B, T, 3]
+        h = self.lin(x)
+        rows = torch.arange(h.shape[0])
+        pooled = h[rows, -1].index_select(0, rows) * self.gamma
+        return torch.zeros_like(pooled).index_add_(0, rows.flip(0), pooled.flip(0)) + self.beta
+
+
 class Latents(nn.Module):
     """Perceiver's latents: a module called with the batch size only, an int, which expands its
     raw parameter to the batch (no tensor input to read the batch from)."""
@@ -377,6 +394,7 @@ CASES = {
     "matmul_uses": (MatmulUses, lambda b: [torch.randn(b, 2, 3)]),
     "reads_child_metadata": (ReadsChildMetadata, lambda b: [torch.randn(b, 2, 3)]),
     "frozen_child_weight": (FrozenChildWeightInOwnCode, lambda b: [torch.randn(b, 2, 3)]),
+    "picks_its_own_rows": (PicksItsOwnRows, lambda b: [torch.randn(b, 2, 3)]),
 }
 
 
@@ -774,6 +792,21 @@ class MixesTheBatch(nn.Module):
         return h + self.gamma * h.mean(0)  # every sample's gamma term depends on all samples
 
 
+class Flipped(MixesTheBatch):
+    def forward(self, x):
+        return self.lin(x).flip(0) * self.gamma  # sample b's gamma term is in row B - 1 - b
+
+
+class PermutedToChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):  # B = 4: the head sees the batch's 4 rows, in another order
+        return self.head(self.lin(x)[torch.tensor([1, 0, 3, 2])]) * self.gamma
+
+
 class WritesInPlace(nn.Module):
     def __init__(self):
         super().__init__()
@@ -836,6 +869,9 @@ REFUSALS = {
     ChildWeightInOwnCode: r"uses 'lin.weight', a parameter of a module below it, in `linear`",
     MixesTheBatch: r"'gamma' together with the batch in `mul`",
     WritesInPlace: r"writes in place .*'gamma' \(`mul_`\)",
+    Flipped: r"'gamma' in `mul` on rows that `flip` picked along batch_dim",
+    PermutedToChild: r"passes rows that `__getitem__` picked along batch_dim .* to a call of "
+                     r"its child 'head'",
 }
 
 
@@ -862,7 +898,7 @@ def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
         assert f"'1' ({module.__name__}) " in message
         assert re.search(REFUSALS[module], message), message
         assert "units=['1']" in message
-    if module not in (MixesTheBatch, Returned):  # the loop cannot take those
+    if module not in (MixesTheBatch, Returned, Flipped, PermutedToChild):  # nor can the loop
         assert_matches_loop(model, [x], loss_fn=loss_fn, units=["1"])
 
 

@@ -482,7 +482,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                                      out_dims=(out_specs, 0))(flat_args, cotangents), None)
         except PerSampleHooksError:
             raise
-        except (RuntimeError, ValueError, TypeError) as error:
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
             failure = error
         norms = any(isinstance(m, nn.modules.batchnorm._NormBase) for m in module.modules())
         try:
@@ -492,7 +492,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                                                layout.batch_size), failure)
         except PerSampleHooksError:
             raise
-        except (RuntimeError, ValueError, TypeError) as error:
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
             raise _unbatchable(module, recurrent, error) from error
 
     # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
@@ -644,6 +644,10 @@ def _unbatchable(module: nn.Module, recurrent: dict[str, nn.Module], error: Exce
         f"sample, under torch.func.vmap nor one sample at a time ({type(error).__name__}: "
         f"{error}). Make smaller modules units (units=), or give the values its forward needs "
         "from outside (e.g. an attention mask built before the call)" + (
+            ". An index among its inputs that is not split by sample (a graph's edge_index "
+            "into the rows of every graph) picks rows of other samples: a unit's forward must "
+            "compute each sample from that sample's inputs alone"
+            if isinstance(error, IndexError) else "") + (
             ". TorchScript functions in the forward (torch.jit.script) may not vmap on "
             "CUDA: PYTORCH_JIT=0 in the environment runs them as Python"
             if "TorchScript" in str(error) else ""))
