@@ -559,7 +559,8 @@ def test_recurrent_dropout_in_unit_refused_in_training_only():
     psh.add_hooks(model, units=["enc"])
     try:
         model(torch.randn(3, 4, 3, dtype=torch.double)).sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"'enc' \(Encoder\).*dropout.*\(rnn\)"):
+        with pytest.raises(psh.PerSampleHooksError,
+                           match=r"Encoder, a unit .*dropout in training mode \(rnn, LSTM\)"):
             psh.compute_grad1(model)
     finally:
         psh.remove_hooks(model)
@@ -1053,3 +1054,31 @@ def test_a_unit_indexing_rows_of_other_samples_is_refused_naming_the_index(dtype
                            r"fallback, could not be re-run per sample.*IndexError.*An index "
                            r"among its inputs that is not split by sample"):
             psh.compute_norms(model)
+
+
+class AdapterAtInit(nn.Module):
+    """LoRA at its initialisation: ``B = 0``, so the dropout before ``A`` changes no output and
+    only a refusal where it is called can tell that the re-run drew another mask (``B``'s
+    per-sample gradients depend on it). ``called=False``: the dropout is held, never called
+    (peft's ``lora.Embedding``)."""
+
+    def __init__(self, called: bool):
+        super().__init__()
+        self.base, self.called, self.drop = nn.Linear(3, 3), called, nn.Dropout(0.5)
+        self.A, self.B = nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.zeros(3, 2))
+
+    def forward(self, x):
+        return self.base(x) + (self.drop(x) if self.called else x) @ self.A.T @ self.B.T
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_units_dropout_is_refused_where_its_forward_calls_it(dtype):
+    torch.manual_seed(0)
+    model = AdapterAtInit(called=True).to(dtype).train()
+    with psh.add_hooks(model, units=[""]):
+        weighted_square(model(torch.randn(4, 3, dtype=dtype))).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"AdapterAtInit, a unit .* calls "
+                           r"dropout in training mode \(drop, Dropout\)"):
+            psh.compute_grad1(model)
+    model = AdapterAtInit(called=False).to(dtype).train()
+    assert_matches_loop(model, [torch.randn(4, 3)], units=[""], **loop_tolerance(dtype))

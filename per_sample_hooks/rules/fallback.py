@@ -233,19 +233,27 @@ def unit_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
 
-def _random_modules(module: nn.Module) -> list[str]:
-    """Names of submodules that draw random numbers in the forward (dropout in training mode)."""
-    found = []
+def _random_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """Submodules that draw random numbers when called in training mode (dropout), by name."""
+    found = {}
     for name, sub in module.named_modules():
         if not sub.training:
             continue
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
-            found.append(name or type(sub).__name__)
-        elif isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
-            found.append(name or type(sub).__name__)
-        elif isinstance(sub, nn.RNNBase) and sub.dropout > 0 and sub.num_layers > 1:
-            found.append(name or type(sub).__name__)  # dropout between its layers
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 or \
+                isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0 or \
+                isinstance(sub, nn.RNNBase) and sub.dropout > 0 and sub.num_layers > 1:
+            found[name or type(sub).__name__] = sub  # an RNN's: between its layers
     return found
+
+
+def _draws_random_numbers(unit: nn.Module, name: str, sub: nn.Module, args: tuple) -> None:
+    """Forward pre-hook on a unit's dropout during its re-run: refused, where it is called (a
+    dropout the forward never calls, peft's ``lora.Embedding``'s, draws nothing)."""
+    raise PerSampleHooksError(
+        f"{type(unit).__name__}, a unit of the torch.func fallback, calls dropout in training "
+        f"mode ({name}, {type(sub).__name__}) in its forward: re-run per sample it draws a new "
+        "random mask, so per-sample gradients would not be those of the step. Use dropout=0 "
+        "there, or model.eval() for the step")
 
 
 def _is_cache(value: object) -> bool:
@@ -332,15 +340,6 @@ class FallbackRule(Rule):
                 "a power iteration of its own, and the fallback's re-run per sample has the "
                 "last call's vectors only. Call it once per step, or put the spectral norm in "
                 "eval mode (its vectors are then fixed)")
-        if any(call.training for call in calls):
-            random = _random_modules(module)
-            if random:
-                raise PerSampleHooksError(
-                    f"'{name}' ({type(module).__name__}) is handled by the torch.func fallback, "
-                    "which re-runs its forward; dropout in training mode there "
-                    f"({', '.join(random)}) draws a new random mask, so per-sample gradients "
-                    "would not be those of the step. Use dropout=0, or model.eval() for the "
-                    "step")
 
     def grad1(self, module: nn.Module, calls: Sequence[Call], scale: float,
               out: dict[str, Tensor]) -> None:
@@ -504,6 +503,8 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                                         nn.LSTMCell.forward)}
     handles = [m.register_forward_pre_hook(_batched_initial_state, with_kwargs=True)
                for m in recurrent.values()]
+    handles += [sub.register_forward_pre_hook(partial(_draws_random_numbers, module, name))
+                for name, sub in (_random_modules(module) if call.training else {}).items()]
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), \
                 power_iterations_off(module), values_kept(module):
