@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import warnings
 
 import pytest
@@ -696,6 +697,59 @@ def test_peft_lora_on_multihead_attention_as_a_unit(dtype) -> None:
     assert_same_state(model, reference)
 
 
+def token_losses(model: nn.Module, rows: Tensor) -> Tensor:
+    """The sum over samples of their next-token losses."""
+    logits = model(input_ids=rows).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
+
+
+def assert_unit_matches_token_loop(model: nn.Module, unit: str, dtype: torch.dtype) -> None:
+    """grad1 of every trainable parameter with ``unit`` a unit, against the float64 loop."""
+    ids = torch.randint(0, VOCAB, (3, 6), generator=seeded(1))
+    twin = copy.deepcopy(model).double()
+    trainable = [p for p in twin.parameters() if p.requires_grad]
+    per_sample = [torch.autograd.grad(token_losses(twin, ids[i:i + 1]), trainable)
+                  for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with psh.add_hooks(model, units=[unit]):
+            token_losses(model, ids).backward()
+            psh.compute_grad1(model, "sum")
+            for k, p in enumerate(p for p in model.parameters() if p.requires_grad):
+                torch.testing.assert_close(p.grad1.double(),
+                                           torch.stack([row[k] for row in per_sample]),
+                                           **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_peft_dora_embedding_refusal_names_the_layer_and_its_caller_as_the_unit(dtype) -> None:
+    """DoRA on ``embed_tokens``: its magnitude layer returns a scale ``[d]`` that the embedding
+    combines with the batch. Refused naming that layer's path and the module calling it as the
+    unit (it named only the class, with batch_dim and position-id advice); that unit is exact."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(llama(), peft.LoraConfig(
+            r=4, target_modules=["embed_tokens"], use_dora=True, task_type="CAUSAL_LM")).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_embedding_B" in name:
+                p.normal_(std=0.2)
+    ids = torch.randint(0, VOCAB, (3, 6), generator=seeded(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with psh.add_hooks(model):
+            token_losses(model, ids).backward()
+            with pytest.raises(psh.PerSampleHooksError, match=re.escape(
+                    "'base_model.model.model.embed_tokens.lora_magnitude_vector.default' "
+                    "(DoraEmbeddingLayer): output 0 received a gradient without a batch dim of "
+                    "size 3 (shape (16,))") + ".*needs that module as the unit"):
+                psh.compute_grad1(model, "sum")
+    model.zero_grad(set_to_none=True)
+    assert_unit_matches_token_loop(model, "base_model.model.model.embed_tokens", dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_peft_lora_embedding_with_dropout_configured_is_exact_as_a_unit(dtype) -> None:
     """``lora_dropout=0.1`` with ``embed_tokens`` among the targets, in training mode: peft's
@@ -713,23 +767,4 @@ def test_peft_lora_embedding_with_dropout_configured_is_exact_as_a_unit(dtype) -
         for name, p in model.named_parameters():
             if "lora_embedding" in name:
                 p.normal_(std=0.2)
-    ids = torch.randint(0, VOCAB, (3, 6), generator=seeded(1))
-    twin = copy.deepcopy(model).double()
-    trainable = {n: p for n, p in twin.named_parameters() if p.requires_grad}
-
-    def loss(m: nn.Module, rows: Tensor) -> Tensor:  # a sum over samples of their token losses
-        logits = m(input_ids=rows).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(),
-                               reduction="sum")
-    per_sample = [torch.autograd.grad(loss(twin, ids[i:i + 1]), list(trainable.values()))
-                  for i in range(3)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with psh.add_hooks(model, units=["base_model.model.model.embed_tokens"]):
-            loss(model, ids).backward()
-            psh.compute_grad1(model, "sum")
-            for k, (name, p) in enumerate((n, p) for n, p in model.named_parameters()
-                                          if p.requires_grad):
-                torch.testing.assert_close(p.grad1.double(),
-                                           torch.stack([row[k] for row in per_sample]),
-                                           **loop_tolerance(dtype))
+    assert_unit_matches_token_loop(model, "base_model.model.model.embed_tokens", dtype)

@@ -320,6 +320,7 @@ class FallbackRule(Rule):
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         for call in calls:
+            refuse_unbatched_outputs(module, call, _lookup_layout(module)(module, call), name)
             for argument, value in [*enumerate(call.args), *call.kwargs.items()]:
                 if _is_cache(value):
                     raise PerSampleHooksError(
@@ -413,33 +414,47 @@ def without_cudnn(off: bool = True) -> Iterator[None]:
         torch.backends.cudnn.enabled = enabled
 
 
+def refuse_unbatched_outputs(module: nn.Module, call: Call, layout: Layout,
+                             name: str | None = None) -> None:
+    """Refuse a call of a unit with an output that reaches the loss without the batch at its
+    batch dim (``name``: the unit's path, named with its caller)."""
+    who = type(module).__name__ if name is None else f"'{name}' ({type(module).__name__})"
+    for j, passes in enumerate(call.grads):
+        if not passes:
+            continue
+        spec, shape = layout.outputs[j], tuple(passes[0].shape)
+        if not shape:
+            raise PerSampleHooksError(
+                f"{who}: output {j} is a scalar that reaches the loss: a reduction over the "
+                "batch computed inside the module (the loss of a model called with labels=, in "
+                "transformers), whose samples per-sample gradients cannot tell apart. Compute "
+                "the loss outside it: call the model without labels and the loss on its logits "
+                "(reduction='none' for per-sample losses), or make a submodule without the loss "
+                "(the backbone) the unit")
+        if spec is None or len(shape) <= spec or shape[spec] != layout.batch_size:
+            raise PerSampleHooksError(
+                f"{who}: output {j} received a gradient without a batch dim of size "
+                f"{layout.batch_size} (shape {shape}); per-sample gradients need every output "
+                "that reaches the loss to be batched. Pass batch_dim to add_hooks for this "
+                "module if its batch is not dimension 0. An output computed from the module's "
+                "parameters alone, which the module that calls it combines with the batch "
+                "(peft DoRA's magnitude scale), needs that module as the unit: add_hooks(model, "
+                "units=[its path]). An output of size 1 there is shared by the samples (learned "
+                "positions computed from position ids [1, T], not from the batched input): give "
+                "the module position ids [B, T] if it takes them, or freeze its parameters")
+
+
 def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                names: Sequence[str], scale: float) -> tuple[Tensor, ...]:
     """Per-sample gradients ``[B, *p.shape]`` of ``params[n]`` for ``n`` in ``names``, from one
     call, times ``scale``."""
     layout = _lookup_layout(module)(module, call)
+    refuse_unbatched_outputs(module, call, layout)
     cotangents, out_specs, out_leaves = [], [], []
     for j, passes in enumerate(call.grads):
         if not passes:
             continue
         spec = layout.outputs[j]
-        if passes[0].dim() == 0:
-            raise PerSampleHooksError(
-                f"{type(module).__name__}: output {j} is a scalar that reaches the loss: a "
-                "reduction over the batch computed inside the module (the loss of a model "
-                "called with labels=, in transformers), whose samples per-sample gradients "
-                "cannot tell apart. Compute the loss outside it: call the model without labels "
-                "and the loss on its logits (reduction='none' for per-sample losses), or make "
-                "a submodule without the loss (the backbone) the unit")
-        if spec is None or passes[0].dim() <= spec or passes[0].shape[spec] != layout.batch_size:
-            raise PerSampleHooksError(
-                f"{type(module).__name__}: output {j} received a gradient without a batch dim "
-                f"of size {layout.batch_size} (shape {tuple(passes[0].shape)}); per-sample "
-                "gradients need every output that reaches the loss to be batched. Pass "
-                "batch_dim to add_hooks for this module if its batch is not dimension 0. An "
-                "output of size 1 there is shared by the samples (learned positions computed "
-                "from position ids [1, T], not from the batched input): give the module "
-                "position ids [B, T] if it takes them, or freeze its parameters")
         grad = summed_passes(passes)
         cotangents.append(grad * scale if scale != 1 else grad)
         out_specs.append(spec)
