@@ -320,7 +320,12 @@ class FallbackRule(Rule):
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         for call in calls:
-            refuse_unbatched_outputs(module, call, _lookup_layout(module)(module, call), name)
+            try:
+                layout = _lookup_layout(module)(module, call)
+            except PerSampleHooksError:
+                layout = None  # refused by the re-run, after the step's own checks
+            if layout is not None:
+                refuse_unbatched_outputs(module, call, layout, name)
             for argument, value in [*enumerate(call.args), *call.kwargs.items()]:
                 if _is_cache(value):
                     raise PerSampleHooksError(
@@ -418,7 +423,8 @@ def refuse_unbatched_outputs(module: nn.Module, call: Call, layout: Layout,
                              name: str | None = None) -> None:
     """Refuse a call of a unit with an output that reaches the loss without the batch at its
     batch dim (``name``: the unit's path, named with its caller)."""
-    who = type(module).__name__ if name is None else f"'{name}' ({type(module).__name__})"
+    who = type(module).__name__  # the model itself is named so too
+    who = who if name in (None, who) else f"'{name}' ({who})"
     for j, passes in enumerate(call.grads):
         if not passes:
             continue
