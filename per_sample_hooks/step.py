@@ -246,8 +246,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                 "module that contains it and the ops that meet its output with the batch (an "
                 "encoder, a transformer block) one unit of the torch.func fallback: "
                 "add_hooks(model, units=[...]); or freeze the parameters it is computed from")
-        hint = next(filter(None, (merged_batch_hint(name, size, status.batch)
+        # the step's batch is its first hooked call's; a first layer that saw merged rows
+        # (PointNet's [B * N, F]) leaves the model's own samples to tell
+        batches = (status.batch, _model_samples(state.model_input_shapes, state.model_batch_dim))
+        hint = next(filter(None, (merged_batch_hint(name, size, batch) for batch in batches
                                   for size, name in sizes.items())), None)
+        if hint is not None:
+            raise PerSampleHooksError(
+                f"{caller}: captured calls disagree on the batch size: {seen}. {hint}. (Call "
+                "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the "
+                "batch is not dimension 0)")
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
@@ -260,7 +268,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "BEiT, Swin, T5), make a module that holds every use of its output (the attention "
             "layer or transformer block that adds it to the batch's; T5 passes it from layer "
             "to layer: each stack, units=['encoder', 'decoder']) one unit of the torch.func "
-            "fallback, add_hooks(model, units=[...])" + ("" if hint is None else f". {hint}"))
+            "fallback, add_hooks(model, units=[...])")
     batch_size = next(iter(sizes))
     if not grouped:
         _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
@@ -292,6 +300,12 @@ def _shared_input_error(caller: str, name: str, module: nn.Module, call: Call
         "it before it meets the batch")
 
 
+def _model_samples(shapes: set[torch.Size] | None, batch_dim: int) -> int | None:
+    """The size the model's tensor inputs of ``shapes`` share at ``batch_dim``, if one."""
+    at_dim = {shape[batch_dim] for shape in shapes or () if len(shape) > batch_dim}
+    return at_dim.pop() if len(at_dim) == 1 else None
+
+
 def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim: int,
                                       rows: int, name: str, caller: str) -> None:
     """Refuse a step whose hooked layers saw ``rows`` rows where the model was called with
@@ -305,8 +319,7 @@ def _refuse_rows_that_are_not_samples(shapes: set[torch.Size] | None, batch_dim:
     # rows is no sequence-first input)
     if not shapes or any(rows in shape[:2] for shape in shapes):
         return
-    at_dim = {shape[batch_dim] for shape in shapes if len(shape) > batch_dim}
-    samples = at_dim.pop() if len(at_dim) == 1 else None
+    samples = _model_samples(shapes, batch_dim)
     if not samples:
         return
     if rows == 1:

@@ -486,3 +486,39 @@ def test_a_raw_vector_on_edge_rows_is_refused_even_with_as_many_edges_as_nodes(d
                                match=r"'gat' \(GraphAttention\) uses its raw parameter\(s\) "
                                      r"'att_src' in `mul` on rows that `__getitem__` picked"):
                 psh.compute_norms(model, "sum", groups=psh.JointGroups(graph_of))
+
+
+class PointNet(nn.Module):
+    """Points of each cloud merged into the batch dim before the first layer, ``[B, N, 3] ->
+    [B * N, 3]``, a shared MLP, a max over each cloud's points, a head on ``[B, 6]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, clouds):
+        b, n, _ = clouds.shape
+        return self.head(self.mlp(clouds.reshape(b * n, 3)).view(b, n, 6).amax(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_first_layer_on_merged_rows_is_refused_with_the_models_batch(dtype):
+    """The step's batch is its first hooked call's (20 rows); the refusal said position ids and
+    relative position biases. It now reads the model's 4 samples from its input and names the
+    merge and a unit; the model itself as the unit is the loop's."""
+    torch.manual_seed(0)
+    model, clouds = PointNet().to(dtype), torch.randn(4, 5, 3, dtype=dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(clouds)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"disagree on the batch size: 20 \(at "
+                           r"'mlp.0'\), 4 \(at 'head'\)\. 'mlp.0' saw a multiple of the batch 4: "
+                           r"it was called with 20 rows.*units="):
+            psh.compute_norms(model)
+    model.zero_grad(set_to_none=True)
+    expected = loop_grads(copy.deepcopy(model).double(), [clouds.double()], weighted_square, 4)
+    with psh.add_hooks(model, units=[""]):
+        weighted_square(model(clouds)).mean().backward()
+        psh.compute_grad1(model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
