@@ -170,6 +170,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "
             "forward and backward (or leave release_records=False to read them again)")
     layers, sizes, rules = [], {}, state.rules
+    layers_of_size: dict[int, list[str]] = {}  # every layer that saw each batch size
     for module, name, calls in state.hooked_calls():
         rule = rules[module]
         formed = [c.per_sample for c in calls if c.per_sample is not None] if calls else None
@@ -181,6 +182,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                     "True)) and its captured input was dropped: several backward passes of one "
                     "forward need form_on_arrival=False")
             sizes.setdefault(calls[0].batch_size, name)
+            layers_of_size.setdefault(calls[0].batch_size, []).append(name)
             layers.append(LayerWork(module, name, FormedRule(formed[0]), calls,
                                     owned_parameters(state, module)))
             continue
@@ -229,6 +231,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             if dtype is not None and call.has_other_float_dtype(dtype):
                 call.cast_(dtype)
             sizes.setdefault(rule.batch_size(module, call), name)
+            layers_of_size.setdefault(rule.batch_size(module, call), []).append(name)
             with_grads.append(call)
         layers.append(LayerWork(module, name, rule, with_grads, params, frozen))
     _refuse_unhooked_parameters(state, caller)
@@ -249,8 +252,9 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         # the step's batch is its first hooked call's; a first layer that saw merged rows
         # (PointNet's [B * N, F]) leaves the model's own samples to tell
         batches = (status.batch, _model_samples(state.model_input_shapes, state.model_batch_dim))
-        hint = next(filter(None, (merged_batch_hint(name, size, batch) for batch in batches
-                                  for size, name in sizes.items())), None)
+        hint = next(filter(None, (
+            merged_batch_hint(names, size, batch, layers_of_size.get(batch, ()), state.model)
+            for batch in batches for size, names in layers_of_size.items())), None)
         if hint is not None:
             raise PerSampleHooksError(
                 f"{caller}: captured calls disagree on the batch size: {seen}. {hint}. (Call "
@@ -384,21 +388,54 @@ def _refuse_unhooked_parameters(state: HookState, caller: str) -> None:
                 "add_hooks(model)), or freeze it")
 
 
-def merged_batch_hint(name: str, size: int, batch: int | None) -> str | None:
-    """What to do about module ``name`` called with ``size`` rows, a multiple of the step's
-    ``batch`` (the samples' positions merged into its batch dim); None if it is not one."""
+def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
+                      batch_layers: Sequence[str] | None = None, model: nn.Module | None = None
+                      ) -> str | None:
+    """What to do about modules ``names`` called with ``size`` rows, a multiple of the step's
+    ``batch`` (the samples' positions merged into its batch dim); None if it is not one. Given
+    the layers that saw the batch (``batch_layers``), the units it names are, for each of
+    ``names``, its nearest ancestor that holds one of them too, so is likely called with the
+    batch (``ModuleList`` s and ``ModuleDict`` s of ``model`` skipped): OPT's decoder layers
+    (their ``fc1`` sees ``B * T`` rows, their ``q_proj`` the batch), PatchTST's encoder (its
+    layers see the channels folded into the batch), PointNet's model itself; else the parent
+    of the first."""
     if not batch or batch < 2 or size <= batch or size % batch:
         return None
-    parent = name.rpartition(".")[0]
+    if batch_layers is None:
+        parent = names[0].rpartition(".")[0]
+        where = f"its parent {parent!r}?" if parent else "the model itself?"
+        units = [parent]
+    else:
+        found = list(dict.fromkeys(_unit_holding(name, batch_layers, model) for name in names))
+        units = [u for u in found if not any(v != u and (not v or u.startswith(f"{v}."))
+                                             for v in found)]
+        where = "the model itself" if units == [""] else ", ".join(map(repr, units[:3])) + (
+            f" and {len(units) - 3} more" if len(units) > 3 else "")
+        where += ", which hold a layer that saw the batch too"
+    others = len(names) - 1
+    seen = f"'{names[0]}'" + (f" and {others} other layer{'s' * (others > 1)}" if others else "")
     return (
-        f"'{name}' saw a multiple of the batch {batch}: it was called with {size} rows, "
+        f"{seen} saw a multiple of the batch {batch}: called with {size} rows, "
         f"{size // batch} times the batch of {batch}, the samples' positions merged into one "
         "dim (`x.view(B * T, H)`, windows or patches folded into the batch, a "
         "mixture-of-experts block routing its tokens), which only the module that merges them "
-        "can tell apart. Make that module one unit of the torch.func fallback: "
-        f"{f'its parent {parent!r}' if parent else 'the model itself'} or the nearest module "
-        "that contains it and is called with the batch (a decoder layer, a transformer block), "
-        f"add_hooks(model, units=['{parent}'])")
+        "can tell apart. Make the nearest module that contains it and is called with the batch "
+        f"(a decoder layer, a transformer block) one unit of the torch.func fallback: {where}, "
+        f"add_hooks(model, units={units!r})")
+
+
+def _unit_holding(name: str, batch_layers: Sequence[str], model: nn.Module | None) -> str:
+    """The nearest ancestor of layer ``name`` that holds one of ``batch_layers`` (not a
+    ``ModuleList`` or ``ModuleDict`` of ``model``); ``''``: the model itself."""
+    path = name
+    while path:
+        path = path.rpartition(".")[0]
+        if model is not None and path and \
+                isinstance(model.get_submodule(path), (nn.ModuleList, nn.ModuleDict)):
+            continue
+        if any(layer.startswith(f"{path}.") for layer in batch_layers if path):
+            return path
+    return ""
 
 
 def _with_merged_batch_hint(error: PerSampleHooksError, rule: Rule, module: nn.Module,
@@ -406,7 +443,7 @@ def _with_merged_batch_hint(error: PerSampleHooksError, rule: Rule, module: nn.M
                             ) -> PerSampleHooksError:
     """A rule's refusal, with :func:`merged_batch_hint` if the module saw a multiple of the
     batch: a unit of the module itself would split its calls by the wrong batch."""
-    hint = next(filter(None, (merged_batch_hint(name, rule.batch_size(module, call), batch)
+    hint = next(filter(None, (merged_batch_hint([name], rule.batch_size(module, call), batch)
                               for call in calls)), None)
     return error if hint is None else PerSampleHooksError(f"{error}. {hint}")
 

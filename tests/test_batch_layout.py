@@ -506,14 +506,15 @@ class PointNet(nn.Module):
 def test_a_first_layer_on_merged_rows_is_refused_with_the_models_batch(dtype):
     """The step's batch is its first hooked call's (20 rows); the refusal said position ids and
     relative position biases. It now reads the model's 4 samples from its input and names the
-    merge and a unit; the model itself as the unit is the loop's."""
+    merge and the unit, the model itself (the nearest module holding the merged layers and one
+    that saw the batch); that unit is the loop's."""
     torch.manual_seed(0)
     model, clouds = PointNet().to(dtype), torch.randn(4, 5, 3, dtype=dtype)
     with psh.add_hooks(model):
         weighted_square(model(clouds)).mean().backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"disagree on the batch size: 20 \(at "
-                           r"'mlp.0'\), 4 \(at 'head'\)\. 'mlp.0' saw a multiple of the batch 4: "
-                           r"it was called with 20 rows.*units="):
+                           r"'mlp.0'\), 4 \(at 'head'\)\. 'mlp.0' and 1 other layer saw a multiple "
+                           r"of the batch 4: called with 20 rows.*the model itself.*units=\[''\]"):
             psh.compute_norms(model)
     model.zero_grad(set_to_none=True)
     expected = loop_grads(copy.deepcopy(model).double(), [clouds.double()], weighted_square, 4)

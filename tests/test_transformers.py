@@ -547,8 +547,9 @@ def test_opt_refusals_name_the_fix_and_its_layers_as_units_are_exact(dtype) -> N
     try:
         psh.add_hooks(model)
         loss_of(model, batch).backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"'model.decoder.layers.0.fc1' saw a "
-                           r"multiple of the batch 3: .*units="):
+        with pytest.raises(psh.PerSampleHooksError, match=r"'model.decoder.layers.0.fc1' and 5 "
+                           r"other layers saw a multiple of the batch 3: .*units=\['model.decoder"
+                           r".layers.0', 'model.decoder.layers.1'\]"):
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         model.zero_grad(set_to_none=True)
