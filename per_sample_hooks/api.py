@@ -64,7 +64,9 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
     """``batch_dim`` as ``(qualified name, module) -> int``: an int for every module, or a
     mapping from modules or qualified names ("" is the model) to the batch dim of that module
     and its descendants (the deepest entry wins; modules under no entry: 0). The children of
-    a sequence-first ``nn.TransformerEncoderLayer`` / ``DecoderLayer``: 1, unless named."""
+    an ``nn.TransformerEncoderLayer`` / ``DecoderLayer``, and the final ``norm`` of an
+    ``nn.TransformerEncoder`` / ``Decoder`` (``nn.Transformer``'s): 1 if the layers are
+    sequence-first, else 0, unless named."""
     names = {m: n for n, m in model.named_modules()}
     table: dict[str, int] = {}
     for key, dim in ({"": batch_dim} if isinstance(batch_dim, int) else batch_dim).items():
@@ -74,13 +76,20 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
                              f"{type(model).__name__}; use a module or a name from "
                              "model.named_modules()")
         table[name] = dim
-    # the children of torch's sequence-first transformer layers see [S, B, E] (batch_first=False)
-    # whatever the model's batch dim (an entry naming a child wins)
+    # the children of torch's transformer layers, and the final norm of their stacks, see
+    # [S, B, E] or [B, S, E] as the layers' batch_first says, whatever the model's batch dim
+    # (an entry naming a child wins)
     for module, name in names.items():
-        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and \
-                not module.self_attn.batch_first:
-            for child, _ in module.named_children():
-                table.setdefault(f"{name}.{child}" if name else child, 1)
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            layer, children = module, [child for child, _ in module.named_children()]
+        elif isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and \
+                module.norm is not None and len(module.layers):
+            layer, children = module.layers[0], ["norm"]
+        else:
+            continue
+        for child in children:
+            table.setdefault(f"{name}.{child}" if name else child,
+                             0 if layer.self_attn.batch_first else 1)
 
     def lookup(name: str, module: nn.Module) -> int:
         parts = name.split(".") if name else []
