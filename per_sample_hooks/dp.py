@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -247,7 +248,9 @@ class DPSGD:
     Virtual batches: :meth:`batches` with ``max_micro_batch`` yields each Poisson batch in
     pieces; :meth:`step` after each piece adds its clipped sum to the batch's and steps (noise,
     optimizer, accountant) after the last. Or, with pieces of one's own, :meth:`accumulate`
-    after each piece's backward and :meth:`step` at the end. Not under DDP.
+    after each piece's backward and :meth:`step` at the end. Not under DDP. A refused piece
+    keeps the earlier pieces' sums (step again once it is fixed), :meth:`discard_batch` drops
+    them; the trainable parameters may change between batches, not between pieces of one.
 
     With a ``DistributedDataParallel`` model (process group initialized) every rank samples
     from its own shard: ``dataset_size`` and ``batch_size`` are per rank (the sampling rate,
@@ -327,6 +330,7 @@ class DPSGD:
             secure_rng, ahead=noise_ahead)
         self._sums = FlatBuffers()
         self._accumulated = 0  # micro-batches in self._sums since the last optimizer step
+        self._batch_parameters: list[nn.Parameter] = []  # trainable at the batch's first piece
         self._pieces_left = 0  # pieces of the current batch from batches() after this one
         self._last_batch_empty = False  # the last batch batches() yielded had no sample
         self.adaptive_clipping = adaptive_clipping
@@ -384,7 +388,8 @@ class DPSGD:
                 if self._accumulated:
                     raise PerSampleHooksError(
                         "DPSGD.batches: the last batch's pieces were accumulated but never "
-                        "stepped: call dp.step() after the backward of every piece")
+                        "stepped: call dp.step() after the backward of every piece, or "
+                        "dp.discard_batch() to drop them (after a refused piece)")
                 indices = self.sample()
                 pieces = micro_batches(indices, max_micro_batch)
                 self._last_batch_empty = len(indices) == 0
@@ -471,16 +476,53 @@ class DPSGD:
         state = get_state(self.model)
         return state.status.backward_seen and not state.status.consumed
 
+    def discard_batch(self) -> None:
+        """Drop the current batch: the pieces accumulated so far and what the hooks recorded
+        since (after a refused piece, or to give up a virtual batch); the next piece starts a
+        new batch. Nothing of it was released, so nothing is accounted."""
+        self._accumulated, self._batch_parameters = 0, []
+        self.output_edges.clear()
+        clear_backprops(self.model)
+
+    def _refuse_changed_parameters(self, caller: str) -> None:
+        """Refuse a piece whose trainable parameters are not those of the batch's first."""
+        if self._accumulated and self._batch_parameters != self._parameters():
+            before, now = set(self._batch_parameters), set(self._parameters())
+            changed = [f"'{name}' ({'frozen' if p in before else 'unfrozen'})"
+                       for name, p in self.model.named_parameters() if (p in before) != (p in now)]
+            raise PerSampleHooksError(
+                f"DPSGD.{caller}: the trainable parameters changed between pieces of one batch "
+                f"({', '.join(changed) or 'their order'}): the batch's clipped sums are kept "
+                "for the parameters of its first piece. Freeze or unfreeze between batches "
+                "(after the step that ends one), or dp.discard_batch() to drop this batch's "
+                "pieces")
+
+    @contextmanager
+    def _keeping_pieces(self) -> Iterator[None]:
+        """A refusal while pieces are accumulated says that they are kept."""
+        try:
+            yield
+        except PerSampleHooksError as error:
+            if not self._accumulated:
+                raise
+            raise PerSampleHooksError(
+                f"{error}. (The clipped sums of this batch's earlier pieces, "
+                f"{self._accumulated}, stay accumulated: step again once this piece is fixed, "
+                "or dp.discard_batch() to drop them)") from error
+
     @torch.no_grad()
     def accumulate(self, empty_batch: bool | None = None, groups: RowGrouping | None = None
                    ) -> Tensor:
         """Clip this micro-batch and add its clipped sum to the current batch's, without
         stepping (:meth:`step` ends the batch). Returns the micro-batch's unclipped norms."""
         self._refuse_distributed_accumulation()
-        norms, scale = self._clip(self._empty_batch(empty_batch), groups)
+        self._refuse_changed_parameters("accumulate")
+        with self._keeping_pieces():
+            norms, scale = self._clip(self._empty_batch(empty_batch), groups)
         params = self._parameters()
         sums = self._sums.like(params)
         if not self._accumulated:
+            self._batch_parameters = params
             for flat in self._sums.flats.values():
                 flat.zero_()
         if scale:
@@ -502,11 +544,12 @@ class DPSGD:
         params = self._parameters()
         if self._accumulated:
             pending = empty_batch or self._backward_pending()
+            self._refuse_changed_parameters("step")
             norms = self.accumulate(empty_batch, groups) if pending else torch.zeros(0)
             for p, total in zip(params, self._sums.like(params)):
                 p.grad = total.clone() if p.grad is None or p.grad.is_sparse else \
                     p.grad.copy_(total)
-            scale, self._accumulated = 1.0, 0
+            scale, self._accumulated, self._batch_parameters = 1.0, 0, []
         else:
             norms, scale = self._clip(empty_batch, groups)
         for p in params:  # a checked step's Embedding(sparse=True): dense, as on the others
@@ -588,7 +631,8 @@ class DPSGD:
         if self._accumulated or self._pieces_left:
             raise PerSampleHooksError(
                 "DPSGD.state_dict: a batch is under way (pieces accumulated, or more pieces "
-                "of it to come from batches()): save after the step() that ends it")
+                "of it to come from batches()): save after the step() that ends it, or after "
+                "dp.discard_batch()")
         state: dict[str, Any] = {"steps": self.steps}
         if self.accountant is not None:
             if not callable(getattr(self.accountant, "state_dict", None)):

@@ -1,3 +1,4 @@
+import copy
 import io
 import math
 
@@ -477,6 +478,108 @@ def test_unfinished_virtual_batch_is_refused():
             dp.zero_grad()
             _backward(model, idx)
             dp.accumulate()  # never step()
+
+
+def _pieces_run(dtype, pieces):
+    """A DPSGD with noise 0 and SGD at lr 1 on 8 samples, batch_size 4: ``pieces(model, dp, x)``
+    runs a batch; the parameters' change, and the change of the whole batch ``x[4:8]`` alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=dtype)
+    changes = []
+    for net, run in ((model, pieces), (reference, None)):
+        dp = DPSGD(net, torch.optim.SGD(net.parameters(), lr=1.0), noise_multiplier=0.0,
+                   max_grad_norm=0.5, dataset_size=8, batch_size=4, accountant=None)
+        before = [p.detach().clone() for p in net.parameters()]
+        if run is None:
+            dp.zero_grad()
+            dp.backward(net(x[4:]).pow(2).sum(1).mean())
+            dp.step()
+        else:
+            run(net, dp, x)
+        changes.append([p.detach() - b for p, b in zip(net.parameters(), before)])
+        dp.close()
+        psh.remove_hooks(net)
+    return changes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_parameter_frozen_between_pieces_is_refused_and_discard_batch_starts_anew(dtype):
+    """A parameter frozen or unfrozen between two pieces of one batch: the earlier pieces'
+    sums were left in buffers re-allocated for the new parameters (uninitialized: NaN or
+    garbage in every parameter's update). Refused before anything changes, naming it;
+    ``discard_batch()`` drops the pieces, and the next batch is that batch's alone."""
+    for trainable_first in (True, False):
+        def pieces(model, dp, x, trainable_first=trainable_first):
+            model[2].bias.requires_grad_(trainable_first)
+            dp.zero_grad()
+            dp.backward(model(x[:2]).pow(2).sum(1).mean())
+            dp.accumulate()
+            model[2].bias.requires_grad_(not trainable_first)
+            dp.zero_grad()
+            dp.backward(model(x[2:4]).pow(2).sum(1).mean())
+            before = [p.detach().clone() for p in model.parameters()]
+            change = "frozen" if trainable_first else "unfrozen"
+            with pytest.raises(psh.PerSampleHooksError, match=rf"DPSGD.step: the trainable "
+                               rf"parameters changed between pieces of one batch \('2.bias' "
+                               rf"\({change}\)\).*dp.discard_batch\(\)"):
+                dp.step()
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            dp.discard_batch()
+            model[2].bias.requires_grad_(True)
+            dp.zero_grad()
+            dp.backward(model(x[4:]).pow(2).sum(1).mean())
+            dp.step()
+        got, expected = _pieces_run(dtype, pieces)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_refused_piece_keeps_the_earlier_ones_until_discarded(dtype):
+    """A piece refused (a second forward and backward in it) keeps the batch's earlier pieces
+    and says so: with it fixed, the step is the whole batch's; after ``discard_batch()`` the
+    next batch is its own alone (it silently included the aborted batch's first piece), and
+    ``batches()`` and ``state_dict()`` work again (they refused for ever)."""
+    def retried(model, dp, x):
+        x = torch.cat([x[4:6], x[:2], x[6:]])  # the batch x[4:8], its first piece x[4:6]
+        dp.zero_grad()
+        dp.backward(model(x[:2]).pow(2).sum(1).mean())
+        dp.accumulate()
+        dp.zero_grad()
+        model(x[2:4]).pow(2).sum(1).mean().backward()
+        model(x[4:6]).pow(2).sum(1).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"ran a forward pass after a backward "
+                           r"pass.*\(The clipped sums of this batch's earlier pieces, 1, stay "
+                           r"accumulated: step again once this piece is fixed, or "
+                           r"dp.discard_batch\(\) to drop them\)"):
+            dp.step()
+        psh.clear_backprops(model)
+        dp.zero_grad()
+        dp.backward(model(x[4:6]).pow(2).sum(1).mean())
+        dp.step()
+
+    def discarded(model, dp, x):
+        for k, idx in enumerate(dp.batches(max_micro_batch=2)):
+            dp.zero_grad()
+            dp.backward(model(x[idx]).pow(2).sum(1).mean())
+            if k == 1:
+                model(x[idx]).sum().backward()
+                with pytest.raises(psh.PerSampleHooksError, match="earlier pieces"):
+                    dp.step()
+                break
+            dp.step()
+        dp.discard_batch()
+        dp.state_dict()
+        next(iter(dp.batches()))
+        dp.zero_grad()
+        dp.backward(model(x[4:]).pow(2).sum(1).mean())
+        dp.step()
+    for pieces in (retried, discarded):
+        got, expected = _pieces_run(dtype, pieces)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
 
 
 def test_virtual_batches_refused_under_ddp():
