@@ -238,6 +238,32 @@ def _reorders_rows(func: Callable[..., Any], args: tuple, kwargs: dict, dim: int
     return None
 
 
+REDUCTIONS = _functions("sum", "mean", "std", "var", "std_mean", "var_mean", "amax", "amin",
+                        "max", "min", "logsumexp", "norm", "prod", "median", "nanmean", "nansum",
+                        "cumsum", "cumprod", "softmax", "log_softmax") | {F.softmax,
+                                                                         F.log_softmax}
+"""Reductions (and scans, softmaxes) along a dim or over every element: along the batch dim
+(or every element) of a batched value, a statistic of every sample."""
+
+
+def _reduces_batch(func: Callable[..., Any], args: tuple, kwargs: dict, dim: int) -> bool:
+    """Whether ``func`` reduces its batched first argument along ``dim`` or over every
+    element (``x.mean(0)``, ``x.std()``, ``x.softmax(0)``), not ``torch.max(x, y)``."""
+    source = args[0] if args else kwargs.get("input")
+    if func not in REDUCTIONS or not isinstance(source, Tensor) or source.dim() <= dim:
+        return False
+    if _name(func) == "norm":  # norm(input, p, dim)
+        dims = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    else:
+        dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dims, Tensor):  # torch.max(x, y): elementwise
+        return False
+    if dims is None:
+        return True
+    dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return dim in [d % source.dim() for d in dims if isinstance(d, int)]
+
+
 def _leaves(args: tuple, kwargs: dict, kind: type) -> list[Any]:
     """The ``kind`` objects among the arguments of a call, also inside a list or tuple
     argument (``torch.cat((a, b))``): how torch functions take tensors."""
@@ -411,8 +437,9 @@ class _Forward:
             if p is not None and p.requires_grad}
         self.batched: dict[int, Tensor] = {}  # held: an id is not reused during the forward
         # batched values whose rows at batch_dim are not the call's (picked by an index: a
-        # graph's edges, a permutation), even where there are B of them; the op that picked
-        self.moved: dict[int, tuple[Tensor, str]] = {}
+        # graph's edges, a permutation), even where there are B of them, or that mix them (a
+        # statistic over the batch): the op that picked or mixed them, and whether it mixed
+        self.moved: dict[int, tuple[Tensor, str, bool]] = {}
         self.add_batched(tensors)
         # computed from derived values with grad mode off: no gradient, unless a custom
         # autograd Function (whose apply the mode does not see) gives them one on return
@@ -455,15 +482,23 @@ class _Forward:
             if tracked:
                 self.unseen.update((id(o), (o, values)) for o in _outputs(out))
             return out
-        moved = next((self.moved[id(t)][1] for t in inputs if id(t) in self.moved), None)
-        if moved is not None:
+        moved = next((self.moved[id(t)] for t in inputs if id(t) in self.moved), None)
+        if moved is not None and moved[2]:
             self.refuse(
-                f"uses its raw parameter(s) {values} in `{_name(func)}` on rows that `{moved}` "
-                "picked along batch_dim by an index (a graph's edges, a token's expert, a "
-                "permutation): they are not the batch's rows, even where there are B of them. "
-                "A unit re-runs each sample alone: exact where the index comes from the "
-                "sample's own values (a router's), not where it picks rows of every sample (a "
-                "graph's edge_index: apply the parameter to the rows before they are picked)")
+                f"uses its raw parameter(s) {values} in `{_name(func)}` on values computed with "
+                f"`{moved[1]}` over batch_dim, a statistic of every sample: per-sample "
+                "gradients are undefined for them. Compute such statistics per sample (over "
+                "positions or features; per graph, with the graph of each node)")
+            self.record.mixes_samples = True
+        elif moved is not None:
+            self.refuse(
+                f"uses its raw parameter(s) {values} in `{_name(func)}` on rows that "
+                f"`{moved[1]}` picked along batch_dim by an index (a graph's edges, a token's "
+                "expert, a permutation): they are not the batch's rows, even where there are B "
+                "of them. A unit re-runs each sample alone: exact where the index comes from "
+                "the sample's own values (a router's), not where it picks rows of every sample "
+                "(a graph's edge_index: apply the parameter to the rows before they are picked)")
+        if moved is not None:
             out = func(*args, **kwargs)
             self.add_results(func, args, kwargs, inputs, out)
             return out
@@ -506,18 +541,22 @@ class _Forward:
         """Record the outputs of an op with a batched input as batched, and as moved where
         their rows are not the call's (:func:`_reorders_rows`)."""
         order = _reorders_rows(func, args, kwargs, self.uses.batch_dim, self.batch_size)
-        if order is None:
-            moved = next((self.moved[id(t)][1] for t in inputs if id(t) in self.moved), None)
+        moved: tuple[str, bool] | None
+        if _reduces_batch(func, args, kwargs, self.uses.batch_dim):
+            moved = (_name(func), True)
+        elif order is None:
+            moved = next((self.moved[id(t)][1:] for t in inputs if id(t) in self.moved), None)
         elif order:
-            moved = "__getitem__" if func in _GETITEM else _name(func)
+            moved = ("__getitem__" if func in _GETITEM else _name(func), False)
         else:  # a scatter into the rows of its first argument
-            moved = self.moved.get(id(args[0] if args else kwargs.get("input")), (0, None))[1]
+            target = self.moved.get(id(args[0] if args else kwargs.get("input")))
+            moved = None if target is None else target[1:]
         for o in _outputs(out):
             self.batched[id(o)] = o
             if moved is None:
                 self.moved.pop(id(o), None)
             else:
-                self.moved[id(o)] = (o, moved)
+                self.moved[id(o)] = (o, *moved)
 
     def output_shape(self, func: Callable[..., Any], args: tuple, kwargs: dict,
                      inputs: list[Tensor]) -> tuple[int, ...] | None:
@@ -689,7 +728,14 @@ class _Forward:
                             f"{where} ({type(child).__name__}), whose rule does not see that "
                             "use")
             moved = self.moved.get(id(t))
-            if moved is not None and any(p.requires_grad for p in child.parameters()):
+            if moved is None or not any(p.requires_grad for p in child.parameters()):
+                continue
+            if moved[2]:
+                self.refuse(f"passes values computed with `{moved[1]}` over batch_dim, a "
+                            f"statistic of every sample, to {where} ({type(child).__name__}): "
+                            "per-sample gradients are undefined for it")
+                self.record.mixes_samples = True
+            else:
                 self.refuse(f"passes rows that `{moved[1]}` picked along batch_dim by an index "
                             "(a graph's edges, a token's expert, a permutation) to "
                             f"{where} ({type(child).__name__}), whose rule takes its rows for "

@@ -867,7 +867,6 @@ REFUSALS = {
     PassedToChild: r"passes a value of its raw parameter\(s\) 'pos' to a call of its child 'lin'",
     Returned: r"returns a value of its raw parameter\(s\) 'gamma'",
     ChildWeightInOwnCode: r"uses 'lin.weight', a parameter of a module below it, in `linear`",
-    MixesTheBatch: r"'gamma' together with the batch in `mul`",
     WritesInPlace: r"writes in place .*'gamma' \(`mul_`\)",
     Flipped: r"'gamma' in `mul` on rows that `flip` picked along batch_dim",
     PermutedToChild: r"passes rows that `__getitem__` picked along batch_dim .* to a call of "
@@ -898,7 +897,7 @@ def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
         assert f"'1' ({module.__name__}) " in message
         assert re.search(REFUSALS[module], message), message
         assert "units=['1']" in message
-    if module not in (MixesTheBatch, Returned, Flipped, PermutedToChild):  # nor can the loop
+    if module not in (Returned, Flipped, PermutedToChild):  # nor can the loop
         assert_matches_loop(model, [x], loss_fn=loss_fn, units=["1"])
 
 
@@ -907,7 +906,7 @@ def test_mixing_the_batch_refused_also_when_positions_match_the_batch():
     model = nn.Sequential(MixesTheBatch()).double()
     with psh.add_hooks(model):
         model(torch.randn(3, 3, dtype=torch.double)).sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match="together with the batch"):
+        with pytest.raises(psh.PerSampleHooksError, match="a statistic of every sample"):
             psh.compute_grad1(model)
 
 
@@ -1181,3 +1180,44 @@ def test_the_refusals_advice_for_the_model_itself_works(dtype):
         psh.compute_grad1(model)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
+
+
+class CentredOverTheBatch(nn.Module):
+    """torch_geometric's ``LayerNorm(mode='graph')`` called without ``batch``: statistics over
+    every row of the batch, then a raw weight (no children: followed op by op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return (x - x.mean(0)) / x.std(0) * self.weight
+
+
+class SoftmaxOverTheBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        weights = self.lin(x).softmax(0)  # over the samples
+        return self.head(weights) + weights * self.gamma
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("module", [CentredOverTheBatch, SoftmaxOverTheBatch, MixesTheBatch],
+                         ids=lambda m: m.__name__)
+def test_a_statistic_over_the_batch_before_a_raw_parameter_is_refused(module, dtype):
+    """``x - x.mean(0)`` then ``* weight`` was followed as a per-sample use: norms with no
+    error (or, re-run per sample, a NaN from one row's std). A statistic over the batch dim
+    reaching a use site or a child is refused as batch statistics are, without units advice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), module()).to(dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(torch.randn(6, 3, dtype=dtype))).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=rf"'1' \({module.__name__}\) .* "
+                           r"computed with `\w+` over batch_dim, a statistic of every sample.*"
+                           r"per-sample gradients are undefined") as error:
+            psh.compute_norms(model)
+        assert "units=" not in str(error.value)

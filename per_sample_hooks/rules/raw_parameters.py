@@ -165,7 +165,8 @@ class RawUsesOrFallbackRule(RawParameterRule):
 
     def check(self, module: nn.Module, calls: Sequence[Call], name: str) -> None:
         followed, rerun = _split_calls(calls)
-        super().check(module, followed, name)
+        super().check(module, [call for call in calls if _uses(call).mixes_samples] + followed,
+                      name)  # a statistic over the batch: no re-run makes it per sample
         self.fallback.check(module, rerun, name)
 
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
