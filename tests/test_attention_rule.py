@@ -13,7 +13,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, hooked_grads, loop_grads_of, weighted_square
+from ground_truth import (
+    assert_matches_loop,
+    hooked_grads,
+    loop_grads_of,
+    loop_tolerance,
+    weighted_square,
+)
 from per_sample_hooks.quantities import weighted_sum
 from per_sample_hooks.rules import attention as attention_rule
 from per_sample_hooks.rules.attention import MultiheadAttentionRule, captured
@@ -191,6 +197,36 @@ def test_self_attention_weights_unused_and_default_need_weights():
             return self.attention(x, x, x, average_attn_weights=False)[0]
 
     assert_matches_loop(Model(), [torch.randn(4, 5, 8)])
+
+
+class WeightsOnly(nn.Module):
+    """Attention-map supervision: only the attention weights reach the loss."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.attention(x, x, x, average_attn_weights=False)[1].flatten(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_only_the_attention_weights_in_the_loss(batch_first, dtype):
+    """The output's gradient never arrives: it raised 'stack expects a non-empty TensorList';
+    now ``out_proj``'s per-sample gradients are zero and the in-projection's the loop's."""
+    torch.manual_seed(0)
+    model = WeightsOnly(batch_first).to(dtype)
+    x = torch.randn(3, 5, 8, dtype=dtype)
+    expected = loop_grads_of(copy.deepcopy(model).double(),
+                             ([x[i:i + 1].double() if batch_first else
+                               x[i:i + 1].double().transpose(0, 1)] for i in range(3)),
+                             weighted_square)
+    with psh.add_hooks(model):
+        weighted_square(model(x if batch_first else x.transpose(0, 1))).mean().backward()
+        psh.compute_grad1(model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
 
 
 class Reused(nn.Module):

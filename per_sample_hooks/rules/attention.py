@@ -44,7 +44,11 @@ def bind(module: nn.MultiheadAttention, call: Call) -> tuple[Tensor, Tensor, Ten
 
 
 def output_gradient(module: nn.MultiheadAttention, call: Call) -> Tensor:
-    """The captured gradient of the attention output, summed over passes: ``[B, L, E]``."""
+    """The captured gradient of the attention output, summed over passes: ``[B, L, E]``
+    (zeros where only the attention weights reached the loss: attention-map supervision)."""
+    if not call.grads[0]:
+        query = bind(module, call)[0]
+        return query.new_zeros(*query.shape[:2], module.embed_dim)
     grad = summed_passes(call.grads[0])
     return grad if module.batch_first else grad.transpose(0, 1)
 
