@@ -101,6 +101,27 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
     return lookup
 
 
+def _refuse_other_options(model: nn.Module, state: HookState,
+                          **given: tuple[object, object]) -> None:
+    """Refuse options given to ``add_hooks`` on a hooked model (each ``(value, default)``) other
+    than the defaults and other than those it was hooked with: they would be ignored."""
+    hooked = state.options
+    differ = [name for name, (value, default) in given.items()
+              if not _same(value, default) and not _same(value, hooked.get(name, default))]
+    if differ:
+        raise PerSampleHooksError(
+            f"add_hooks: {type(model).__name__} is hooked already, with another "
+            f"{' and '.join(differ)} than asked now, which would be ignored: "
+            "remove_hooks(model) first, then add_hooks(model, ...) with the new options")
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # modules compare by identity; tensors
+        return a is b
+
+
 def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = True,
               units: Iterable[nn.Module | str] = (), check_unseen: CheckUnseen = True,
               broadcast: bool = True, registry: RuleRegistry = default_registry) -> HookState:
@@ -162,18 +183,22 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     batch statistics), until its parameters are unfrozen.
 
     Returns the model's hook state, also a context manager: ``with add_hooks(model): ...``
-    removes the hooks on exit. Calling it again on a hooked model returns the same state.
+    removes the hooks on exit. Calling it again on a hooked model returns the same state (given
+    options other than the defaults and those it was hooked with: refused, they would be
+    ignored; ``remove_hooks`` first).
     Raises :class:`UnsupportedModuleError` for a module with trainable parameters and no rule.
     A ``DistributedDataParallel`` or ``DataParallel`` model is hooked through to the model it
-    wraps (the same state answers for either handle). A ``torch.compile``'d model is refused:
-    compiled code does not see hooks added after compilation; hook the model, then compile it.
+    wraps (the same state answers for either handle). A ``torch.compile``'d model is refused
+    unless the model it wraps is hooked already (then its state): compiled code does not see
+    hooks added after compilation; hook the model, then compile it.
 
     A copy of a hooked model (``torch.save(model)`` then ``torch.load(..., weights_only=False)``,
     ``pickle``, ``copy.deepcopy``) is not hooked: its copied hooks do nothing and it computes as
     an unhooked model (its parameters keep copies of any ``grad1``/``hess`` attributes); call
     ``add_hooks`` on the copy to hook it. The original stays hooked.
     """
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+    compiled_handle = type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
+    if compiled_handle and STATE_ATTRIBUTE not in unwrap(model).__dict__:
         raise PerSampleHooksError(
             "add_hooks got a torch.compile'd module: code compiled before the hooks existed "
             "would not run them (torch._dynamo does not guard on module hooks). Hook the "
@@ -182,7 +207,11 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             "after hooking it call torch._dynamo.reset() so that it is compiled again")
     model = unwrap(model)
     state = model.__dict__.get(STATE_ATTRIBUTE)
-    if state is not None:
+    if state is not None:  # hooked before (and compiled after: the documented order)
+        _refuse_other_options(model, state, batch_dim=(batch_dim, 0), fallback=(fallback, True),
+                              units=(_resolve_units(model, units), set()),
+                              check_unseen=(check_unseen, True),
+                              broadcast=(broadcast, True), registry=(registry, default_registry))
         return state
     compiled = [n or type(model).__name__ for n, m in model.named_modules()
                 if getattr(m, "_compiled_call_impl", None) is not None]
@@ -259,6 +288,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     state = HookState(model, modules, rules, unit_modules, observed,
                       lambda module, call: rules[module].batch_size(module, call), broadcast)
     state.model_batch_dim = dim_of("", model)
+    state.options = dict(batch_dim=batch_dim, fallback=fallback, units=forced,
+                         check_unseen=check_unseen, broadcast=broadcast, registry=registry)
     state.handles.append(model.register_forward_pre_hook(ModelCallHook(state), with_kwargs=True))
     state.gradient_copies = {m for m, rule in rules.items() if rule.aliases_output_gradient(m)}
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)

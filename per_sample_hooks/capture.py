@@ -654,6 +654,7 @@ class HookState:
         # and their batch dim (ModelCallHook; None: a PackedSequence, whose dim 0 counts tokens)
         self.model_input_shapes: set[torch.Size] | None = set()
         self.model_batch_dim = 0
+        self.options: dict[str, object] = {}  # add_hooks' arguments, as it resolved them
         # ids of those inputs (a layer called on one is called on the batch, no model tensor)
         self.model_input_ids: set[int] = set()
         # ids of the parameters of the hooked modules (a unit's: below it too), kept until a

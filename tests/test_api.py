@@ -882,3 +882,25 @@ def test_input_gradients_taken_as_the_readme_says(dtype):
         loss.backward()
         psh.compute_grad1(model)
         exact(2.0)
+
+
+def test_add_hooks_again_with_other_options_is_refused():
+    """A hooked model given other options (the units= a refusal advised) returned the old state,
+    silently ignoring them; the next step was refused with the same advice. Refused now; the
+    same options, or none (DPSGD's own call), give the state."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    state = psh.add_hooks(model, units=["0"])
+    try:
+        assert psh.add_hooks(model) is state
+        assert psh.add_hooks(model, units=[model[0]]) is state
+        for options, named in ((dict(units=["2"]), "units"), (dict(batch_dim=1), "batch_dim"),
+                               (dict(check_unseen="always"), "check_unseen")):
+            with pytest.raises(psh.PerSampleHooksError, match=rf"add_hooks: Sequential is "
+                               rf"hooked already, with another {named} than asked now.*"
+                               r"remove_hooks\(model\) first"):
+                psh.add_hooks(model, **options)
+        assert psh.add_hooks(model) is state and model[0] in state.units
+    finally:
+        psh.remove_hooks(model)
+    assert model[2] in psh.add_hooks(model, units=["2"]).units
+    psh.remove_hooks(model)

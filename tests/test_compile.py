@@ -169,3 +169,33 @@ def test_compiled_attention_recomputed_exact():
     expected = loop_grads(net, [x], weighted_square, 4)
     for n in expected:
         torch.testing.assert_close(got[n], expected[n], rtol=1e-9, atol=1e-10)
+
+
+def test_the_compiled_handle_of_a_hooked_model_is_its_state():
+    """The documented order, hook then compile: ``add_hooks``, ``DPSGD`` and ``KFAC`` given the
+    compiled handle were refused as if it had been compiled first; they find the state now and
+    a DPSGD step through it (noise 0) is the loop's clipped mean."""
+    net = model()
+    state = psh.add_hooks(net)
+    compiled = compiled_or_skip(net)
+    try:
+        assert psh.add_hooks(compiled) is state
+        psh.optim.KFAC(compiled)
+        dp = psh.DPSGD(compiled, torch.optim.SGD(net.parameters(), lr=1.0), noise_multiplier=0.0,
+                       max_grad_norm=0.5, dataset_size=8, batch_size=4, accountant=None)
+        x = torch.randn(4, 6)
+        psh.disable_hooks(net)
+        expected = loop_grads(net, [x], weighted_square, 4)
+        psh.enable_hooks(net)
+        norms = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+        factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+        before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        dp.zero_grad()
+        dp.backward(weighted_square(compiled(x)).mean())
+        dp.step()
+        for n, p in net.named_parameters():
+            step = torch.einsum("b,b...->...", factors, expected[n]) / 4
+            torch.testing.assert_close(before[n] - p.detach(), step, rtol=1e-4, atol=1e-6)
+        dp.close()
+    finally:
+        psh.remove_hooks(net)
