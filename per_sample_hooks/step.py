@@ -403,7 +403,7 @@ def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
         return None
     if batch_layers is None:
         parent = names[0].rpartition(".")[0]
-        where = f"its parent {parent!r}?" if parent else "the model itself?"
+        where = f"its parent {parent!r}, if it is one" if parent else "the model itself"
         units = [parent]
     else:
         found = list(dict.fromkeys(_unit_holding(name, batch_layers, model) for name in names))

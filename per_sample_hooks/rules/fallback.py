@@ -422,7 +422,7 @@ def without_cudnn(off: bool = True) -> Iterator[None]:
 def refuse_unbatched_outputs(module: nn.Module, call: Call, layout: Layout,
                              name: str | None = None) -> None:
     """Refuse a call of a unit with an output that reaches the loss without the batch at its
-    batch dim (``name``: the unit's path, named with its caller)."""
+    batch dim (``name``: the unit's path, for the message)."""
     who = type(module).__name__  # the model itself is named so too
     who = who if name in (None, who) else f"'{name}' ({who})"
     for j, passes in enumerate(call.grads):
