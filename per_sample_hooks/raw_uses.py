@@ -21,7 +21,9 @@ The mode sorts the tensors of the module's own ops into three kinds:
   (``h[edge_index[0]]``, ``index_select``, ``gather``, ``flip``, ``sort``, and every value
   computed from them), are *moved*: a graph's edges are not its nodes even where there are as
   many. A scatter (``index_add``, ``x[index] = v``) writes into the rows of its first
-  argument, and ``arange(B)`` picks the batch's rows in order;
+  argument, and ``arange(B)`` picks the batch's rows in order. A reduction over ``batch_dim``
+  (``x.mean(0)``, ``x.std()``, ``softmax(0)``) gives a statistic of every sample: moved too,
+  refused as batch statistics are;
 - constants: everything else (buffers, ``torch.arange``, frozen parameters).
 
 A derived tensor ``t`` meets the batch at a *use site*: an elementwise broadcasting op (add,
@@ -539,24 +541,29 @@ class _Forward:
     def add_results(self, func: Callable[..., Any], args: tuple, kwargs: dict,
                     inputs: list[Tensor], out: object) -> None:
         """Record the outputs of an op with a batched input as batched, and as moved where
-        their rows are not the call's (:func:`_reorders_rows`)."""
-        order = _reorders_rows(func, args, kwargs, self.uses.batch_dim, self.batch_size)
-        moved: tuple[str, bool] | None
-        if _reduces_batch(func, args, kwargs, self.uses.batch_dim):
-            moved = (_name(func), True)
-        elif order is None:
-            moved = next((self.moved[id(t)][1:] for t in inputs if id(t) in self.moved), None)
-        elif order:
-            moved = ("__getitem__" if func in _GETITEM else _name(func), False)
-        else:  # a scatter into the rows of its first argument
-            target = self.moved.get(id(args[0] if args else kwargs.get("input")))
-            moved = None if target is None else target[1:]
+        their rows are not the call's (:func:`_reorders_rows`) or a statistic over them
+        (:func:`_reduces_batch`)."""
+        moved = self.moved_by(func, args, kwargs, inputs)
         for o in _outputs(out):
             self.batched[id(o)] = o
             if moved is None:
                 self.moved.pop(id(o), None)
             else:
                 self.moved[id(o)] = (o, *moved)
+
+    def moved_by(self, func: Callable[..., Any], args: tuple, kwargs: dict,
+                 inputs: list[Tensor]) -> tuple[str, bool] | None:
+        """The op that moved an op's output rows and whether it mixed them (None: the rows are
+        the call's)."""
+        if _reduces_batch(func, args, kwargs, self.uses.batch_dim):
+            return _name(func), True
+        order = _reorders_rows(func, args, kwargs, self.uses.batch_dim, self.batch_size)
+        if order is None:  # the rows of its inputs
+            return next((self.moved[id(t)][1:] for t in inputs if id(t) in self.moved), None)
+        if order:
+            return "__getitem__" if func in _GETITEM else _name(func), False
+        target = self.moved.get(id(args[0] if args else kwargs.get("input")))  # a scatter
+        return None if target is None else target[1:]
 
     def output_shape(self, func: Callable[..., Any], args: tuple, kwargs: dict,
                      inputs: list[Tensor]) -> tuple[int, ...] | None:
