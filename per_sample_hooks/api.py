@@ -107,19 +107,12 @@ def _refuse_other_options(model: nn.Module, state: HookState,
     than the defaults and other than those it was hooked with: they would be ignored."""
     hooked = state.options
     differ = [name for name, (value, default) in given.items()
-              if not _same(value, default) and not _same(value, hooked.get(name, default))]
+              if value != default and value != hooked.get(name, default)]
     if differ:
         raise PerSampleHooksError(
             f"add_hooks: {type(model).__name__} is hooked already, with another "
             f"{' and '.join(differ)} than asked now, which would be ignored: "
             "remove_hooks(model) first, then add_hooks(model, ...) with the new options")
-
-
-def _same(a: object, b: object) -> bool:
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):  # modules compare by identity; tensors
-        return a is b
 
 
 def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = True,

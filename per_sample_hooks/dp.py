@@ -486,8 +486,9 @@ class DPSGD:
 
     def _refuse_changed_parameters(self, caller: str) -> None:
         """Refuse a piece whose trainable parameters are not those of the batch's first."""
-        if self._accumulated and self._batch_parameters != self._parameters():
-            before, now = set(self._batch_parameters), set(self._parameters())
+        params = self._parameters()
+        if self._accumulated and self._batch_parameters != params:
+            before, now = set(self._batch_parameters), set(params)
             changed = [f"'{name}' ({'frozen' if p in before else 'unfrozen'})"
                        for name, p in self.model.named_parameters() if (p in before) != (p in now)]
             raise PerSampleHooksError(

@@ -169,8 +169,8 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         raise PerSampleHooksError(
             f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "
             "forward and backward (or leave release_records=False to read them again)")
-    layers, sizes, rules = [], {}, state.rules
-    layers_of_size: dict[int, list[str]] = {}  # every layer that saw each batch size
+    layers, rules = [], state.rules
+    sizes: dict[int, list[str]] = {}  # the layers that saw each batch size, first seen first
     for module, name, calls in state.hooked_calls():
         rule = rules[module]
         formed = [c.per_sample for c in calls if c.per_sample is not None] if calls else None
@@ -181,8 +181,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                     "gradients were formed on arrival (OutputEdges(model, form_on_arrival="
                     "True)) and its captured input was dropped: several backward passes of one "
                     "forward need form_on_arrival=False")
-            sizes.setdefault(calls[0].batch_size, name)
-            layers_of_size.setdefault(calls[0].batch_size, []).append(name)
+            sizes.setdefault(calls[0].batch_size, []).append(name)
             layers.append(LayerWork(module, name, FormedRule(formed[0]), calls,
                                     owned_parameters(state, module)))
             continue
@@ -230,15 +229,14 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             # compute per-sample quantities in the parameters' dtype (captures converted once)
             if dtype is not None and call.has_other_float_dtype(dtype):
                 call.cast_(dtype)
-            sizes.setdefault(rule.batch_size(module, call), name)
-            layers_of_size.setdefault(rule.batch_size(module, call), []).append(name)
+            sizes.setdefault(rule.batch_size(module, call), []).append(name)
             with_grads.append(call)
         layers.append(LayerWork(module, name, rule, with_grads, params, frozen))
     _refuse_unhooked_parameters(state, caller)
     if not sizes:
         raise _no_gradient_captured(state, caller)
     if len(sizes) > 1:
-        seen = ", ".join(f"{size} (at '{name}')" for size, name in sizes.items())
+        seen = ", ".join(f"{size} (at '{names[0]}')" for size, names in sizes.items())
         shared = status.shared_computation
         if shared is not None:
             raise PerSampleHooksError(
@@ -253,8 +251,8 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         # (PointNet's [B * N, F]) leaves the model's own samples to tell
         batches = (status.batch, _model_samples(state.model_input_shapes, state.model_batch_dim))
         hint = next(filter(None, (
-            merged_batch_hint(names, size, batch, layers_of_size.get(batch, ()), state.model)
-            for batch in batches for size, names in layers_of_size.items())), None)
+            merged_batch_hint(names, size, batch, sizes.get(batch, ()), state.model)
+            for batch in batches for size, names in sizes.items())), None)
         if hint is not None:
             raise PerSampleHooksError(
                 f"{caller}: captured calls disagree on the batch size: {seen}. {hint}. (Call "
@@ -276,11 +274,11 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     batch_size = next(iter(sizes))
     if not grouped:
         _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
-                                          batch_size, sizes[batch_size], caller)
+                                          batch_size, sizes[batch_size][0], caller)
     if status.hess_passes and status.hess_rows != batch_size:
         raise PerSampleHooksError(
             f"{caller}: backprop_hess was given an output of {status.hess_rows} rows, but the "
-            f"hooked layers saw {batch_size} samples ('{sizes[batch_size]}'...): each row's "
+            f"hooked layers saw {batch_size} samples ('{sizes[batch_size][0]}'...): each row's "
             "loss Hessian would be taken as a sample's. Give it the model's output with the "
             "samples at dim 0; for positions ([B, T, o], not flattened into the batch) use "
             "n_samples= with weights=")
@@ -401,6 +399,7 @@ def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
     of the first."""
     if not batch or batch < 2 or size <= batch or size % batch:
         return None
+    names = list(dict.fromkeys(names))  # a layer called several times, once
     if batch_layers is None:
         parent = names[0].rpartition(".")[0]
         where = f"its parent {parent!r}, if it is one" if parent else "the model itself"

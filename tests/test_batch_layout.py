@@ -516,13 +516,7 @@ def test_a_first_layer_on_merged_rows_is_refused_with_the_models_batch(dtype):
                            r"'mlp.0'\), 4 \(at 'head'\)\. 'mlp.0' and 1 other layer saw a multiple "
                            r"of the batch 4: called with 20 rows.*the model itself.*units=\[''\]"):
             psh.compute_norms(model)
-    model.zero_grad(set_to_none=True)
-    expected = loop_grads(copy.deepcopy(model).double(), [clouds.double()], weighted_square, 4)
-    with psh.add_hooks(model, units=[""]):
-        weighted_square(model(clouds)).mean().backward()
-        psh.compute_grad1(model)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
+    assert_grad1_matches_loop(model, [clouds], units=[""])
 
 
 class SequenceFirstTransformer(nn.Module):
