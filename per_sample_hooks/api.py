@@ -283,7 +283,9 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     state.model_batch_dim = dim_of("", model)
     state.options = dict(batch_dim=batch_dim, fallback=fallback, units=forced,
                          check_unseen=check_unseen, broadcast=broadcast, registry=registry)
-    state.handles.append(model.register_forward_pre_hook(ModelCallHook(state), with_kwargs=True))
+    model_calls = ModelCallHook(state)
+    state.handles += [model.register_forward_pre_hook(model_calls, with_kwargs=True),
+                      model.register_forward_hook(model_calls.after, always_call=True)]
     state.gradient_copies = {m for m, rule in rules.items() if rule.aliases_output_gradient(m)}
     for module, rule in rules.items():  # tensors watched inside forwards (raw uses, attention)
         watching = rule.watch(module, modules[module][1], partial(state.captures_now, module))

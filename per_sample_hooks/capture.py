@@ -7,6 +7,7 @@ reach them. Tensor hooks (not module backward hooks) keep working when an in-pla
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -424,13 +425,14 @@ class BroadcastOutput(Tensor):
         name = _op_name(func)
         if args and isinstance(args[0], BroadcastOutput) and not kwargs:
             args = _repeated_once_per_sample(name, args)
+        if name.rstrip("_") in _SCATTERS_FROM and any(
+                isinstance(t, BroadcastOutput) for t in (*args[3:], kwargs.get("src"))):
+            raise _refused_at_once(views[0], name, "reads it row by row through an index")
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 result = func(*args, **kwargs)
-            except RuntimeError as error:
-                module, _, _, status = views[0].expanded
-                status.consumed = True  # the next forward starts a clean step
-                raise broadcast_misuse_error("", module, name, f"failed ({error})") from error
+            except (RuntimeError, IndexError) as error:
+                raise _refused_at_once(views[0], name, f"failed ({error})") from error
         if not name.startswith("new_") and name != "_base":  # (factories: not derived from
             for view in views:  # the view; _base: torch.compile's tracing reads it)
                 module, dim, batch, status = view.expanded
@@ -439,6 +441,18 @@ class BroadcastOutput(Tensor):
                         for t in tree_flatten(result)[0]):
                     status.broadcast_misuse = status.broadcast_misuse or (module, name)
         return result
+
+
+_SCATTERS_FROM = frozenset({"scatter", "scatter_add", "scatter_reduce"})
+"""Ops that read their source ``src`` at the positions of an index: an expanded output as the
+source would be read in its first copies only (its backward cannot even give its gradient)."""
+
+
+def _refused_at_once(view: BroadcastOutput, op: str, what: str) -> PerSampleHooksError:
+    """The refusal of an op that cannot run on the expanded ``view``, in the forward."""
+    module, _, _, status = view.expanded
+    status.consumed = True  # the next forward starts a clean step
+    return broadcast_misuse_error("", module, op, what)
 
 
 def _repeated_once_per_sample(name: str, args: tuple) -> tuple:
@@ -572,6 +586,8 @@ class StepStatus:
     # (module, op): the first op on an output expanded over the batch that did not keep the
     # batch dim (:class:`BroadcastOutput`)
     broadcast_misuse: tuple[str, str] | None = None
+    # the first module whose output of size 1 was expanded over the batch in this step
+    expanded: str | None = None
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
     # loss' Hessian square root: the curvature keeps them apart; other passes add up)
     hess_passes: int = 0
@@ -777,6 +793,7 @@ class HookState:
             self.drop_unreachable()
         self.calls[owner].append(call)
         if expanded:  # the model's uses of it are watched from here on
+            status.expanded = status.expanded or name
             output = BroadcastOutput.wrap(output, name, batch_dim, status.batch, status)
         return output
 
@@ -947,6 +964,23 @@ class ModelCallHook:
         state.model_input_ids.update(map(id, tensors))
         if state.model_input_shapes is not None:
             state.model_input_shapes.update(t.shape for t in tensors)
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> None:
+        """The model's forward hook, called even when the forward raised: an error of the
+        model's own code on an output expanded over the batch (an ``index_copy_`` of it, past
+        an op that made it a plain tensor) gets a note naming the expansion."""
+        error, state = sys.exc_info()[1], self.state
+        expanded = state.status.expanded if error is not None and state is not None and \
+            not state.status.consumed else None
+        if expanded and hasattr(error, "add_note") and \
+                not isinstance(error, PerSampleHooksError):
+            error.add_note(
+                f"per_sample_hooks: '{expanded}' was called with batch size 1 in this forward "
+                "and its output, broadcast over the batch, was expanded to the batch (a view) to "
+                "tell the samples' gradients apart. If the error comes from the model's use of "
+                "that output otherwise than broadcast, make the module that holds the call and "
+                "its uses one unit of the torch.func fallback, add_hooks(model, units=[...]), or "
+                "add_hooks(..., broadcast=False) to leave such outputs as they are")
 
 
 def _may_be_a_model_tensor(t: object, batch_dim: int) -> bool:

@@ -2,6 +2,7 @@
 position ids ``[1, T]``, a shared query through a Linear): exact per-sample gradients with no
 change to the call; the limits are refused with a message."""
 import copy
+import re
 
 import pytest
 import torch
@@ -259,6 +260,51 @@ def test_an_expanded_output_used_otherwise_than_broadcast_is_refused(use, dtype)
         psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+class ScatteredRow(nn.Module):
+    """A row computed once (an MLP on a buffer ``[1, 2]``) written into one row of the batch's
+    tensor by an index, as torch_geometric's MFConv writes each degree bucket's rows: by
+    ``index_copy_`` (fails on the expanded view), ``scatter_add_`` (runs, reading the view's
+    first copy only) or ``index_copy_`` of a tensor computed from it (fails in the model's
+    code, past the view)."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use = use
+        self.register_buffer("coords", torch.randn(1, 2))
+        self.inp, self.mlp = nn.Linear(3, 3), nn.Linear(2, 3)
+
+    def forward(self, x):  # x [B, 3]
+        h, row = self.inp(x), self.mlp(self.coords)
+        out = torch.zeros_like(h)
+        if self.use == "scatter_add_":
+            out.scatter_add_(0, torch.tensor([[2, 2, 2]]), row)
+        else:
+            out.index_copy_(0, torch.tensor([2]), row if self.use == "index_copy_" else row * 2)
+        return h * out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("use", ["index_copy_", "scatter_add_", "index_copy_ past the view"])
+def test_an_expanded_output_written_by_an_index_is_refused(use, dtype):
+    """Refused in the forward naming the module and the op; past the view, the model's own
+    error gets a note naming the expansion and units=. The next step is refused the same
+    way (the model mixes its samples: one sample's row is computed from the rest, no unit
+    can make it per sample)."""
+    torch.manual_seed(0)
+    model, x = ScatteredRow(use).to(dtype), torch.randn(5, 3, dtype=dtype)
+    with psh.add_hooks(model):
+        for _ in range(2):
+            if use == "index_copy_ past the view":
+                with pytest.raises(IndexError) as raised:
+                    model(x)
+                assert re.search(r"'mlp' was called with batch size 1 .*units=",
+                                 "".join(raised.value.__notes__))
+            else:
+                with pytest.raises(psh.PerSampleHooksError,
+                                   match=rf"'mlp' was called .*model's {use} on it.*units="):
+                    model(x)
 
 
 class SlicedPositions(nn.Module):
