@@ -20,7 +20,10 @@ changes): parameters of modules that are not hooked or never reach the loss, tho
 ``unsupported="skip"`` leaves out, and a parameter shared by several covered modules (GPT-2's
 tied ``wte`` / ``lm_head`` weight): each module has a block for its own use of it, the gradient
 is their sum, and the sum of two Kronecker blocks has no cheap inverse; preconditioning it with
-one module's block would ignore the other's curvature.
+one module's block would ignore the other's curvature. Parameters may be frozen and unfrozen
+between steps; on a step that reads no factors (``update_freq > 1``) a bias frozen since the
+last read drops its row and column of ``A``, and a bias unfrozen since is left as it is until
+the next read.
 
 Math, per Kronecker layer (as :func:`~per_sample_hooks.curvature.compute_kfac` returns the
 factors). The weight gradient is seen as a matrix ``M [dg, da]`` (Linear ``[out, in]``,
@@ -191,14 +194,15 @@ def matrix_columns(module: nn.Module, transposed: bool = False) -> int:
 def gradient_matrix(module: nn.Module, groups: int, da: int, transposed: bool = False
                     ) -> Tensor | None:
     """The weight gradient (``transposed``: of a weight stored ``[in, out]``, transformers'
-    Conv1D) and the bias gradient as the last column, ``[groups, dg/groups, da]``; None when
-    the weight has no gradient."""
+    Conv1D) and the bias gradient as the last column where ``A`` has one,
+    ``[groups, dg/groups, da]``; None when the weight has no gradient. (A bias unfrozen since
+    the factors were read has no column in ``A``: its gradient is left as it is.)"""
     weight = module.weight
     if weight.grad is None:
         return None
     grad = weight.grad.t() if transposed else weight.grad
     m = grad.reshape(groups, grad.shape[0] // groups, -1)
-    if has_trainable_bias(module):
+    if has_trainable_bias(module) and da == m.shape[-1] + 1:
         bias = module.bias.grad
         bias = torch.zeros_like(module.bias) if bias is None else bias
         m = torch.cat([m, bias.reshape(groups, -1, 1).to(m.dtype)], dim=-1)
@@ -210,9 +214,9 @@ def gradient_matrix(module: nn.Module, groups: int, da: int, transposed: bool = 
 
 def write_back(module: nn.Module, p: Tensor, transposed: bool = False) -> None:
     """Split ``p [groups, dg/groups, da]`` into ``weight.grad`` (``transposed``: stored
-    ``[in, out]``) and ``bias.grad`` (in place)."""
+    ``[in, out]``) and ``bias.grad`` (in place) where ``p`` has its column."""
     weight = module.weight
-    if has_trainable_bias(module):
+    if has_trainable_bias(module) and p.shape[-1] == matrix_columns(module, transposed):
         p, bias = p[..., :-1], p[..., -1]
         if module.bias.grad is None:
             module.bias.grad = bias.reshape(module.bias.shape).clone()
@@ -370,6 +374,7 @@ class KFAC:
             self.update_factors(self.read_factors(self.model))
         self.read_this_step = False
         clear_backprops(self.model)
+        self.drop_frozen_bias_columns()
         if self.steps % self.inverse_freq == 0:
             self.update_eigen()
         else:  # blocks new or reshaped since the last refresh (the others keep theirs)
@@ -379,6 +384,15 @@ class KFAC:
         self.steps += 1
         if self.pause_hooks and self.update_freq > 1:
             (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
+
+    def drop_frozen_bias_columns(self) -> None:
+        """A bias frozen since the factors were read (on a step that reads none,
+        ``update_freq > 1``): its row and column of ``A`` dropped, leaving the block of the
+        weight alone, whose eigendecomposition is redone."""
+        for module, (a, g) in self.factors.items():
+            if a.shape[-1] == matrix_columns(module, module in self.transposed) + 1:
+                self.factors[module] = (a[..., :-1, :-1], g)
+                self.eigen.pop(module, None)
 
     def update_factors(self, new: Factors) -> None:
         """Fold ``new`` factors (and diagonals) into the running averages (the first ones are

@@ -344,6 +344,37 @@ def test_freezing_and_unfreezing_between_steps(dtype, set_to_none):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_bias_frozen_and_unfrozen_on_steps_that_read_no_factors(dtype):
+    """``update_freq=2``, the same batch each step (the factors do not change): the first
+    layer's bias frozen on step 1 (reads no factors) gives its weight the solve with ``A``
+    less the bias row and column, as the factors read without it on step 2; unfrozen on step
+    3 (reads none), the weight keeps that block and the bias' gradient is left as it is."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+    precond = KFAC(model, damping=0.1, kl_clip=None, update_freq=2)
+    x, y = torch.randn(16, 4, dtype=dtype), torch.randint(0, 3, (16,))
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    layer = model[0]
+    for step, bias_trainable in enumerate([True, False, False, True]):
+        layer.bias.requires_grad_(bias_trainable)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        if step == 0:
+            a, g = (f.double() for f in kfac_by_hand(model)[layer])
+            a = a[:-1, :-1]  # the weight's block
+        raw = {p: p.grad.clone() for p in layer.parameters() if p.requires_grad}
+        precond.step()
+        if step == 0:
+            continue
+        big = torch.kron(g, a) + 0.1 * torch.eye(a.shape[0] * g.shape[0], dtype=a.dtype)
+        want = torch.linalg.solve(big, raw[layer.weight].double().reshape(-1))
+        torch.testing.assert_close(layer.weight.grad, want.reshape(6, 4).to(dtype),
+                                   **tolerance)
+        if bias_trainable:
+            torch.testing.assert_close(layer.bias.grad, raw[layer.bias])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_sparse_embedding_is_preconditioned_as_a_dense_one(dtype):
     """``Embedding(sparse=True)``: its gradient preconditioned as the dense Embedding's, and
     left sparse, as autograd gave it (the rows no token hit stay zero: ``A`` is diagonal)."""
