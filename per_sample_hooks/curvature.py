@@ -123,7 +123,7 @@ from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
 from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
-from .forms.second_order import add_gauss_newton, add_gram, add_squares
+from .forms.second_order import add_gauss_newton, add_gram, add_squares, per_sample_gradients
 from .quantities import weighted_sum
 from .rules.base import Rule
 from .rules.formed import FormedRule
@@ -595,10 +595,21 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     return result
 
 
+CANCELLING = 0.01
+"""Where the variance from ``E[g^2] - E[g]^2`` is under this share of ``E[g^2]``, its rounding
+error is over ``1 / CANCELLING`` times the dtype's: :func:`compute_grad_variance` takes two
+passes there."""
+
+
 @torch.no_grad()
 def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
     """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
-    ``Variance``) variance of the per-sample gradients, after one ordinary backward."""
+    ``Variance``) variance of the per-sample gradients, after one ordinary backward.
+
+    ``E[g^2] - E[g]^2`` from :func:`compute_fisher_diag` and the mean; a parameter where that
+    difference cancels (somewhere under :data:`CANCELLING` of ``E[g^2]``: samples that agree
+    on a large common gradient, whose variance float32 would lose) is done again in two
+    passes over its materialized per-sample gradients."""
     step = _nonempty_step(model, loss_type, "compute_grad_variance")[1]
     if step.hess_passes:
         raise PerSampleHooksError(
@@ -618,7 +629,13 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
         weighted_sum(layer.rule, layer.module, layer.calls, weights, out)
         for local, mean in out.items():
             name = names[id(layer)][local]
-            second[name] = second[name].div_(max(batch, 1)).sub_(mean.square()).clamp_(min=0)
+            square_mean = second[name].div_(max(batch, 1))
+            variance = square_mean - mean.square()
+            if bool((variance < square_mean * CANCELLING).any()):
+                forms = _pass_forms(layer, [local], 0)[0][local]
+                per_sample = per_sample_gradients(forms, mean.shape, batch)
+                variance = per_sample.mul_(step.scale).var(0, unbiased=False)
+            second[name] = variance.clamp_(min=0)
     for layer in step.layers:
         if not layer.calls:
             for local in layer.parameters:
