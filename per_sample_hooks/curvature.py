@@ -106,6 +106,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Literal
 
 import torch
@@ -122,9 +123,9 @@ from .capture import (
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
 from .forms import Form, Outer
+from .forms.core import weighted_sum as forms_weighted_sum
 from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares, per_sample_gradients
-from .quantities import weighted_sum
 from .rules.base import Rule
 from .rules.formed import FormedRule
 from .sharded import full_zeros, several_ranks, with_full_values
@@ -136,7 +137,7 @@ from .step import (
     parameter_names,
     prepare_step,
     refusal_ends_step,
-    refuse_shared,
+    shared_parameters,
 )
 
 HessType = Literal["LeastSquares", "CrossEntropy"]
@@ -380,6 +381,28 @@ def _pass_forms(layer: LayerWork, names: list[str], hess_passes: int
             for calls in split_passes(layer.calls, hess_passes)]
 
 
+def _parameter_passes(step: Step, names: dict[int, dict[str, str]]
+                      ) -> Iterator[tuple[str, Tensor, list[list[Form]]]]:
+    """Each trainable parameter of the hooked modules once, in the layers' order: its
+    qualified name, the parameter, and its forms in each pass (none where its modules'
+    outputs did not reach the loss). A parameter of several modules (tied embeddings) has the
+    sum of theirs, as its per-sample gradient is."""
+    shared = shared_parameters(step)
+    for layer in step.layers:
+        own = [n for n, p in layer.parameters.items() if id(p) not in shared]
+        passes = _pass_forms(layer, own, step.hess_passes) if own else []
+        for local, p in layer.parameters.items():
+            uses = shared.get(id(p))
+            if uses is None:
+                yield names[id(layer)][local], p, [forms[local] for forms in passes]
+            elif uses[0][0] is layer:
+                each = [[forms[n] for forms in _pass_forms(use, [n], step.hess_passes)]
+                        for use, n in uses]
+                yield names[id(layer)][local], p, [
+                    [form for forms in in_pass for form in forms]
+                    for in_pass in zip_longest(*each, fillvalue=[])]
+
+
 def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str, *,
                    empty_of_rank: bool = False) -> tuple[HookState, Step]:
     """:func:`prepare_step`, refusing an empty batch: no curvature or second moment of zero
@@ -408,18 +431,16 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
     with refusal_ends_step(model):
         _check_unsupported(unsupported, "compute_hess")
     state, model_step = _nonempty_step(model, loss_type, "compute_hess")
-    refuse_shared(model_step, "compute_hess")
     check_unseen_uses(state, model_step)
-    for layer in _curvature_layers(model_step):
-        passes = _pass_forms(layer, list(layer.parameters), model_step.hess_passes)
-        for name, p in layer.parameters.items():
-            block = torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
-            # (torch.empty, not p.new_empty: a plain tensor for an FSDP2 DTensor too)
-            buffer = torch.empty((model_step.batch_size, *p.shape), dtype=p.dtype,
-                                 device=p.device)
-            for forms in passes:
-                add_gauss_newton(block, forms[name], buffer, model_step.scale)
-            p.hess = block
+    for _, p, passes in _parameter_passes(model_step, parameter_names(model, model_step)):
+        if not passes:
+            continue
+        block = torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
+        # (torch.empty, not p.new_empty: a plain tensor for an FSDP2 DTensor too)
+        buffer = torch.empty((model_step.batch_size, *p.shape), dtype=p.dtype, device=p.device)
+        for forms in passes:
+            add_gauss_newton(block, forms, buffer, model_step.scale)
+        p.hess = block
 
 
 @dataclass(eq=False)
@@ -579,19 +600,14 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
     materialize one parameter at a time. An empty batch of one of several ``torch.distributed``
     ranks gives zeros (its share of the sum over ranks); in one process it is refused."""
     state, step = _nonempty_step(model, loss_type, "compute_fisher_diag", empty_of_rank=True)
-    names = parameter_names(model, step)
-    refuse_shared(step, "compute_fisher_diag")
     if step.batch_size:
         check_unseen_uses(state, step)
     result = {}
-    for layer in step.layers:
-        if layer.calls and layer.parameters and step.batch_size:
-            totals = _squares(layer, list(layer.parameters), step.batch_size,
-                              step.scale * step.scale, step.hess_passes)
-        else:
-            totals = {n: full_zeros(p) for n, p in layer.parameters.items()}
-        for local, total in totals.items():
-            result[names[id(layer)][local]] = total
+    for name, p, passes in _parameter_passes(step, parameter_names(model, step)):
+        total = full_zeros(p)
+        for forms in passes if step.batch_size else []:
+            add_squares(total, forms, step.batch_size)
+        result[name] = total.mul_(step.scale * step.scale)
     return result
 
 
@@ -616,30 +632,20 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
             "compute_grad_variance: the hooks captured the passes of backprop_hess; the "
             "variance of per-sample gradients needs an ordinary backward of the loss")
     second = compute_fisher_diag(model, loss_type)
-    names = parameter_names(model, step)
     batch = step.batch_size
-    for layer in step.layers:
-        if not layer.calls or not layer.parameters:
+    for name, p, passes in _parameter_passes(step, parameter_names(model, step)):
+        if not passes:
+            second[name].zero_()
             continue
-        out = {n: torch.empty(p.shape, dtype=p.dtype, device=p.device)
-               for n, p in layer.parameters.items()}
-        first = next(iter(out.values()))
-        weights = torch.full((batch,), step.scale / max(batch, 1), dtype=first.dtype,
-                             device=first.device)
-        weighted_sum(layer.rule, layer.module, layer.calls, weights, out)
-        for local, mean in out.items():
-            name = names[id(layer)][local]
-            square_mean = second[name].div_(max(batch, 1))
-            variance = square_mean - mean.square()
-            if bool((variance < square_mean * CANCELLING).any()):
-                forms = _pass_forms(layer, [local], 0)[0][local]
-                per_sample = per_sample_gradients(forms, mean.shape, batch)
-                variance = per_sample.mul_(step.scale).var(0, unbiased=False)
-            second[name] = variance.clamp_(min=0)
-    for layer in step.layers:
-        if not layer.calls:
-            for local in layer.parameters:
-                second[names[id(layer)][local]].zero_()
+        mean = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        forms_weighted_sum(mean, passes[0], torch.full(
+            (batch,), step.scale / batch, dtype=p.dtype, device=p.device))
+        square_mean = second[name].div_(batch)
+        variance = square_mean - mean.square()
+        if bool((variance < square_mean * CANCELLING).any()):
+            per_sample = per_sample_gradients(passes[0], p.shape, batch)
+            variance = per_sample.mul_(step.scale).var(0, unbiased=False)
+        second[name] = variance.clamp_(min=0)
     return second
 
 
@@ -651,16 +657,14 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     several positions the ghost Gram where cheaper; others materialize one parameter at a
     time."""
     state, step = _nonempty_step(model, loss_type, "compute_gram")
-    refuse_shared(step, "compute_gram")
     check_unseen_uses(state, step)
     total = None
-    for layer in _curvature_layers(step):
-        for forms in _pass_forms(layer, list(layer.parameters), step.hess_passes):
-            for name, p in layer.parameters.items():
-                if total is None:
-                    total = torch.zeros((step.batch_size, step.batch_size), dtype=p.dtype,
-                                        device=p.device)
-                add_gram(total, forms[name], p.shape, step.batch_size)
+    for _, p, passes in _parameter_passes(step, parameter_names(model, step)):
+        for forms in passes:
+            if total is None:
+                total = torch.zeros((step.batch_size, step.batch_size), dtype=p.dtype,
+                                    device=p.device)
+            add_gram(total, forms, p.shape, step.batch_size)
     if total is None:
         return torch.zeros(step.batch_size, step.batch_size)
     return total.mul_(step.scale * step.scale)

@@ -610,19 +610,6 @@ def shared_parameters(step: Step) -> dict[int, list[tuple[LayerWork, str]]]:
     return {key: found for key, found in uses.items() if len(found) > 1}
 
 
-def refuse_shared(step: Step, caller: str) -> None:
-    """Raise for a parameter shared by hooked modules (for quantities that do not sum the
-    modules' forms of it)."""
-    uses = next(iter(shared_parameters(step).values()), None)
-    if uses is not None:
-        (first, _), (second, local) = uses[0], uses[1]
-        raise PerSampleHooksError(
-            f"{caller}: parameter '{local}' of '{second.name}' is also a parameter of "
-            f"'{first.name}' (tied weights across modules): {caller} does not sum the two "
-            "modules' terms of one parameter yet. compute_grad1, compute_norms, clip_grads and "
-            "DPSGD do; or untie the weights")
-
-
 def shared_forms(uses: list[tuple[LayerWork, str]]) -> list[Form]:
     """The forms of a shared parameter: each module's, as captured (modules whose output did
     not reach the loss give none)."""
@@ -632,5 +619,5 @@ def shared_forms(uses: list[tuple[LayerWork, str]]) -> list[Form]:
 
 __all__ = ["LayerWork", "Step", "LossType", "prepare_step", "check_unseen_uses",
            "form_on_arrival", "parameter_names", "shared_parameters", "shared_forms",
-           "refuse_shared", "owned_parameters", "trainable_parameters",
+           "owned_parameters", "trainable_parameters",
            "FORM_RATIO"]

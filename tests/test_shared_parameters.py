@@ -2,14 +2,16 @@
 weight used by two): its per-sample gradient is the sum of the modules' forms, so its norms
 carry the cross terms; norms, clipping and DPSGD against the float64 loop, float32 and
 float64, mean and sum losses."""
+import copy
+
 import pytest
 import torch
 from models import TiedLanguageModel
 from norms_truth import assert_clipping_matches, assert_norms_match
-from torch import nn
+from torch import Tensor, nn
 
 import per_sample_hooks as psh
-from ground_truth import assert_matches_loop, seeded
+from ground_truth import assert_matches_loop, loop_tolerance, seeded
 
 
 class TiedLinears(nn.Module):
@@ -127,11 +129,70 @@ def clipped_mean(model, tokens, max_norm):
             for k, n in enumerate(params)}
 
 
-def test_second_moments_of_a_shared_parameter_are_refused():
-    model = TiedLinears()
-    psh.add_hooks(model)
-    model(torch.randn(4, 3, 4)).sum().backward()
-    with pytest.raises(psh.PerSampleHooksError, match="tied weights across modules.*"
-                       "compute_norms, clip_grads and DPSGD do"):
-        psh.compute_fisher_diag(model)
+def per_sample_jacobians(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """``{name: [B, outputs, numel]}``: each sample's output (flattened) differentiated by each
+    parameter, one sample at a time in float64; a tied parameter stands for all its uses."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def output(values: dict[str, Tensor], sample: Tensor) -> Tensor:
+        return torch.func.functional_call(model, values, (sample,)).flatten()
+    rows = [torch.func.jacrev(output)(params, x[i:i + 1]) for i in range(len(x))]
+    return {n: torch.stack([row[n].flatten(1) for row in rows]) for n in params}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("loss_type", ["mean", "sum"])
+@pytest.mark.parametrize("case", list(cases()))
+def test_second_moments_of_a_shared_parameter(case, loss_type, dtype):
+    """Fisher diagonal, variance, Gram and empirical Fisher blocks after an ordinary backward,
+    and the Gauss-Newton blocks and diagonal after backprop_hess, of a parameter of several
+    modules (each pass's forms of its modules summed): against the float64 per-sample
+    loop."""
+    make, inputs = cases()[case]
+    torch.manual_seed(1)
+    model, (x,) = make().to(dtype), inputs()
+    x = x.to(dtype) if x.is_floating_point() else x
+    twin = copy.deepcopy(model).double()
+    wide = x.double() if x.is_floating_point() else x
+    jacobians = per_sample_jacobians(twin, wide)
+    outputs = torch.cat([twin(wide[i:i + 1]) for i in range(len(x))]).flatten(1).detach()
+    # per-sample loss 0.5 |out|^2: gradient J^T out; Gauss-Newton J^T J
+    loop = {n: torch.einsum("bon,bo->bn", j, outputs) for n, j in jacobians.items()}
+    scale = 1 / len(x) if loss_type == "mean" else 1.0
+
+    def close(got: Tensor, want: Tensor, name: str) -> None:  # float32: to its largest entry
+        tolerance = loop_tolerance(dtype) if dtype == torch.float64 else \
+            dict(rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+        torch.testing.assert_close(got.double(), want, **tolerance, msg=name)
+    reduce = torch.mean if loss_type == "mean" else torch.sum
+    with psh.add_hooks(model):
+        results = {}
+        for compute in ("fisher", "variance", "gram", "hess"):
+            reduce(0.5 * model(x).flatten(1).square().sum(1)).backward()
+            if compute == "fisher":
+                results[compute] = psh.compute_fisher_diag(model, loss_type)
+            elif compute == "variance":
+                results[compute] = psh.compute_grad_variance(model, loss_type)
+            elif compute == "gram":
+                results[compute] = psh.compute_gram(model, loss_type)
+            else:
+                psh.compute_hess(model, loss_type)
+                results[compute] = {n: p.hess for n, p in model.named_parameters()}
+        psh.backprop_hess(model(x).flatten(1), "LeastSquares", loss_type=loss_type)
+        psh.compute_hess(model, loss_type)
+        gauss_newton = {n: p.hess for n, p in model.named_parameters()}
+        psh.backprop_hess(model(x).flatten(1), "LeastSquares", loss_type=loss_type)
+        diagonal = psh.compute_fisher_diag(model, loss_type)
+    assert results["fisher"].keys() == dict(model.named_parameters()).keys()
+    for n, g in loop.items():
+        shape = dict(model.named_parameters())[n].shape
+        for got, want in [(results["fisher"][n], g.square().sum(0).view(shape)),
+                          (results["variance"][n], g.var(0, unbiased=False).view(shape)),
+                          (results["hess"][n], g.t() @ g * scale),
+                          (gauss_newton[n], torch.einsum("bon,bom->nm", jacobians[n],
+                                                         jacobians[n]) * scale),
+                          (diagonal[n], jacobians[n].square().sum((0, 1)).view(shape))]:
+            close(got, want, n)
+    flat = torch.cat(list(loop.values()), 1)
+    close(results["gram"], flat @ flat.t(), "gram")
     psh.remove_hooks(model)
