@@ -586,6 +586,9 @@ class StepStatus:
     # (module, op): the first op on an output expanded over the batch that did not keep the
     # batch dim (:class:`BroadcastOutput`)
     broadcast_misuse: tuple[str, str] | None = None
+    # (module, its batch dim, the dim it had the batch at): the first module called on a
+    # view of a model's input with that input's batch dim moved (``emb(ids.T)``)
+    batch_moved: tuple[str, int, int] | None = None
     # the first module whose output of size 1 was expanded over the batch in this step
     expanded: str | None = None
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
@@ -735,6 +738,11 @@ class HookState:
             first = given_args[0] if given_args else None
             if _may_be_a_model_tensor(first, batch_dim) and id(first) not in self.model_input_ids:
                 call.shared_input = self._model_tensor(first)
+            if status.batch_moved is None and isinstance(first, Tensor) and \
+                    first._base is not None and id(first._base) in self.model_input_ids:
+                moved_to = _batch_moved(first, batch_dim, self.model_batch_dim)
+                if moved_to is not None:
+                    status.batch_moved = (name, batch_dim, moved_to)
             # the values a re-run or a rule reads
             recurse = owner in self.units
             values = [("parameter", n, p) for n, p in owner.named_parameters(recurse=recurse)
@@ -981,6 +989,21 @@ class ModelCallHook:
                 "that output otherwise than broadcast, make the module that holds the call and "
                 "its uses one unit of the torch.func fallback, add_hooks(model, units=[...]), or "
                 "add_hooks(..., broadcast=False) to leave such outputs as they are")
+
+
+def _batch_moved(view: Tensor, batch_dim: int, model_batch_dim: int) -> int | None:
+    """The dim of ``view``, a view of a model's input, that holds that input's batch dim
+    ``model_batch_dim``, where it is not ``batch_dim`` (ids looked up transposed,
+    ``emb(ids.T)``): what the module takes for its rows are not the samples. None where it
+    stayed, or went (merged, ``ids.view(-1)``)."""
+    base = view._base
+    if base.dim() <= model_batch_dim or view.dim() <= batch_dim:
+        return None
+    samples, stride = base.shape[model_batch_dim], base.stride(model_batch_dim)
+    if samples < 2 or (view.shape[batch_dim] == samples and view.stride(batch_dim) == stride):
+        return None
+    return next((k for k in range(view.dim())
+                 if view.shape[k] == samples and view.stride(k) == stride), None)
 
 
 def _may_be_a_model_tensor(t: object, batch_dim: int) -> bool:

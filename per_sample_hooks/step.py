@@ -165,6 +165,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         module, op = status.broadcast_misuse
         state.end_step()  # this step is lost; the next forward starts a new one
         raise broadcast_misuse_error(f"{caller}: ", module, op, "did not keep the batch dim")
+    if status.batch_moved is not None:
+        module, batch_dim, moved_to = status.batch_moved
+        state.end_step()
+        raise PerSampleHooksError(
+            f"{caller}: '{module}' was called on a view of the model's input with that input's "
+            f"batch dim at its dim {moved_to} (a transpose: ids looked up as `emb(ids.T)`), "
+            f"where it takes dim {batch_dim} for the samples: the rows it would tell apart are "
+            f"not the samples (whatever their number). Give it the samples at dim {batch_dim} "
+            f"and move the dim after the call (`emb(ids).transpose(0, 1)`); a module that reads "
+            "the batch at another dim takes add_hooks(..., batch_dim=)")
     if status.released_by is not None:
         raise PerSampleHooksError(
             f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "

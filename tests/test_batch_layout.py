@@ -576,3 +576,40 @@ def test_torch_transformer_stacks_and_layers_follow_their_batch_first(case, dtyp
         psh.compute_grad1(model)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[name], **loop_tolerance(dtype))
+
+
+class FieldEmbeddings(nn.Module):
+    """A recommender's id fields ``[B, F]`` looked up transposed (``fields_first``:
+    ``emb(ids.T)``, rows F) or as they come, then moved to ``[F, B, d]`` after the call."""
+
+    def __init__(self, fields_first: bool, fields: int, vocab: int = 13, dim: int = 4):
+        super().__init__()
+        self.fields_first = fields_first
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(fields * dim, 1)
+
+    def forward(self, ids):
+        by_field = self.emb(ids.T) if self.fields_first else self.emb(ids).transpose(0, 1)
+        return self.head(by_field.transpose(0, 1).flatten(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fields", [6, 3])
+def test_a_layer_given_the_batch_at_another_dim_of_a_view_is_refused(fields, dtype):
+    """``emb(ids.T)``: refused naming the layer, whatever the number of fields (with as many
+    as samples, 6, the shapes cannot tell; it was silently per field), and exact against
+    the float64 loop once the lookup takes the samples first."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 13, (6, fields))
+    model = FieldEmbeddings(True, fields).to(dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(ids)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'emb' was called on a view of the "
+                           r"model's input with that input's batch dim at its dim 1"):
+            psh.compute_grad1(model)
+        model.fields_first = False
+        weighted_square(model(ids)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 6)
+    for name, grads in expected.items():
+        torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
