@@ -902,6 +902,59 @@ def test_a_unit_that_computes_the_batch_loss_is_refused_naming_it(dtype):
                                        **loop_tolerance(dtype))
 
 
+class InvertibleConv(nn.Module):
+    """Glow's invertible 1x1 convolution: a raw weight in ``F.conv2d`` (the fallback), and its
+    log-determinant: per sample ``[B]`` (``per_sample``), or once for all samples as glow
+    implementations return it (``H * W * slogdet``, a scalar)."""
+
+    def __init__(self, per_sample: bool, channels: int = 3):
+        super().__init__()
+        self.per_sample = per_sample
+        self.weight = nn.Parameter(torch.linalg.qr(torch.randn(channels, channels))[0])
+
+    def forward(self, x):
+        y = nn.functional.conv2d(x, self.weight[:, :, None, None])
+        logdet = x.shape[2] * x.shape[3] * torch.linalg.slogdet(self.weight)[1]
+        return y, (logdet.expand(x.shape[0]) if self.per_sample else logdet)
+
+
+class Flow(nn.Module):
+    def __init__(self, per_sample: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.mix = InvertibleConv(per_sample)
+
+    def forward(self, x):
+        y, logdet = self.mix(torch.tanh(self.conv(x)))
+        return 0.5 * y.square().flatten(1).sum(1) - logdet  # each sample's negative log-lik.
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_with_a_per_sample_log_determinant_and_a_shared_one(dtype):
+    """A unit whose output is ``[B]`` (crashed in the check of its re-run with an IndexError):
+    exact against the float64 loop, grad1, norms and clipping. Its log-determinant as one
+    scalar for all samples is refused with the advice to expand it to the batch."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4, 4, dtype=dtype)
+    model = Flow(per_sample=False).to(dtype)
+    with psh.add_hooks(model):
+        model(x).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'mix' \(InvertibleConv\): output 1 "
+                           r"is a scalar .*expanded to the batch inside the module"):
+            psh.compute_grad1(model)
+    model.mix.per_sample = True
+    with psh.add_hooks(model):
+        model(x).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], lambda out: out, 5)
+    for n, grads in expected.items():
+        torch.testing.assert_close(got[n], grads, **loop_tolerance(dtype))
+    if dtype == torch.float64:
+        assert_norms_match(model, [x], loss_fn=lambda out: out)
+        assert_clipping_matches(model, [x], max_grad_norm=0.5, loss_fn=lambda out: out)
+
+
 class MergedForTheForward(nn.Module):
     """Merges a low-rank update into its frozen weight for each forward and takes it out again
     by replacing the parameter, as peft's LoRA on ``MultiheadAttention`` does, and counts its

@@ -436,7 +436,10 @@ def refuse_unbatched_outputs(module: nn.Module, call: Call, layout: Layout,
                 "transformers), whose samples per-sample gradients cannot tell apart. Compute "
                 "the loss outside it: call the model without labels and the loss on its logits "
                 "(reduction='none' for per-sample losses), or make a submodule without the loss "
-                "(the backbone) the unit")
+                "(the backbone) the unit. A term every sample's loss shares, computed from "
+                "parameters alone (a flow layer's log-determinant, `H * W * log_scale.sum()`), "
+                "is to be expanded to the batch inside the module, `logdet.expand(B)`, so that "
+                "each sample's loss carries it")
         if spec is None or len(shape) <= spec or shape[spec] != layout.batch_size:
             raise PerSampleHooksError(
                 f"{who}: output {j} received a gradient without a batch dim of size "
@@ -634,7 +637,8 @@ def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor]
             b, off = 0, f"of shape {tuple(parts.shape)}, not {tuple(whole.shape)}"
         else:
             largest = whole.abs().max().clamp_min(1e-30)
-            gap = (whole - parts).abs().amax(dim=[d for d in range(whole.dim()) if d != dim])
+            gap, others = (whole - parts).abs(), [d for d in range(whole.dim()) if d != dim]
+            gap = gap.amax(dim=others) if others else gap  # (no dim list: all of them)
             b = int(gap.argmax())
             off = f"off by {float(gap[b] / largest):.1e} of its largest entry"
             if not (gap > torch.finfo(whole.dtype).eps ** 0.5 * largest).any():
