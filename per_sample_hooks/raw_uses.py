@@ -527,12 +527,20 @@ class _Forward:
                                        for t in tracked):
                 return self.use_site(func, args, kwargs, tracked, len(shape), dim)
         if batched:
+            shape = self.output_shape(func, args, kwargs, inputs)
+            dim = self.dim_in(shape)
+            rows = "" if dim is None or not any(
+                self.padded_size(t, len(shape), dim) == self.batch_size for t in tracked) else (
+                f". Its value there has the batch's {self.batch_size} rows from a tensor that "
+                "comes from no input (made in the forward: `torch.rand(B)`), which the path "
+                "does not take for the samples' rows: make it from one that does "
+                "(`torch.rand_like(x[:, 0])`), pass it in, or use `torch.where(mask, p, x)`")
             self.refuse(
                 f"uses its raw parameter(s) {values} together with the batch in "
                 f"`{_name(func)}`, which the per-sample path for raw parameters cannot follow "
                 "(it follows elementwise ops such as `x + p` and `x * p`, expands such as "
                 "`p.expand(B, -1, -1)`, and `F.linear(x, p, b)`, `x @ p` and `x @ p.T` of raw "
-                "parameters, with the batch of size B at batch_dim)")
+                f"parameters, with the batch of size B at batch_dim){rows}")
             out = func(*args, **kwargs)
             self.add_results(func, args, kwargs, inputs, out)
             return out

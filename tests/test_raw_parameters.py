@@ -1221,3 +1221,43 @@ def test_a_statistic_over_the_batch_before_a_raw_parameter_is_refused(module, dt
                            r"per-sample gradients are undefined") as error:
             psh.compute_norms(model)
         assert "units=" not in str(error.value)
+
+
+class NullLabel(nn.Module):
+    """Classifier-free guidance: a learned null embedding (a raw parameter) in place of the
+    label embedding where a 0/1 mask says, mixed as ``e * (1 - m) + null * m``; the mask made
+    from the labels (``labels``: the batch's rows) or by a factory of B rows (``factory``)."""
+
+    def __init__(self, mask: str):
+        super().__init__()
+        self.mask = mask
+        self.emb, self.head = nn.Embedding(4, 6), nn.Linear(6, 1)
+        self.null = nn.Parameter(torch.randn(6))
+
+    def forward(self, y):
+        drop = y % 2 == 0 if self.mask == "labels" else torch.arange(len(y)) % 2 == 0
+        m = drop[:, None].to(self.null.dtype)
+        e = self.emb(y)
+        return self.head(e * (1 - m) + self.null * m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_raw_parameter_mixed_in_by_a_mask_of_the_batchs_rows(dtype):
+    """The mask made from the input: exact against the float64 loop. Made by a factory of B
+    rows (the path cannot take its rows for the samples'): refused saying so and how."""
+    torch.manual_seed(0)
+    y = torch.randint(0, 4, (6,))
+    model = NullLabel("factory").to(dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(y)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'null'.*from a tensor that comes "
+                           r"from no input \(made in the forward: `torch.rand\(B\)`\)"):
+            psh.compute_grad1(model)
+    model.mask = "labels"
+    with psh.add_hooks(model):
+        weighted_square(model(y)).mean().backward()
+        psh.compute_grad1(model)
+        got = {n: p.grad1.double() for n, p in model.named_parameters()}
+    expected = loop_grads(copy.deepcopy(model).double(), [y], weighted_square, 6)
+    for name, grads in expected.items():
+        torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
