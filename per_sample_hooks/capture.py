@@ -514,8 +514,11 @@ def broadcast_misuse_error(prefix: str, module: str, op: str, what: str
         "(a table reshaped then indexed, as Swinv2's relative position bias; a row picked; a "
         "reduction), and the samples' gradients would reach the wrong copies. Make a module "
         "that holds the call and every use of its output (the attention layer or block that "
-        "computes and uses it) one unit of the torch.func fallback, add_hooks(model, "
-        "units=[...]), or add_hooks(..., broadcast=False) to leave such outputs as they are")
+        f"computes and uses it) {_BROADCAST_FIX}")
+
+
+_BROADCAST_FIX = ("one unit of the torch.func fallback, add_hooks(model, units=[...]), or "
+                  "add_hooks(..., broadcast=False) to leave such outputs as they are")
 
 
 def _batch_first(t: Tensor, batch_dim: int) -> Tensor:
@@ -987,8 +990,7 @@ class ModelCallHook:
                 "and its output, broadcast over the batch, was expanded to the batch (a view) to "
                 "tell the samples' gradients apart. If the error comes from the model's use of "
                 "that output otherwise than broadcast, make the module that holds the call and "
-                "its uses one unit of the torch.func fallback, add_hooks(model, units=[...]), or "
-                "add_hooks(..., broadcast=False) to leave such outputs as they are")
+                f"its uses {_BROADCAST_FIX}")
 
 
 def _batch_moved(view: Tensor, batch_dim: int, model_batch_dim: int) -> int | None:
