@@ -622,31 +622,34 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
     """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
     ``Variance``) variance of the per-sample gradients, after one ordinary backward.
 
-    ``E[g^2] - E[g]^2`` from :func:`compute_fisher_diag` and the mean; a parameter where that
-    difference cancels (somewhere under :data:`CANCELLING` of ``E[g^2]``: samples that agree
-    on a large common gradient, whose variance float32 would lose) is done again in two
-    passes over its materialized per-sample gradients."""
-    step = _nonempty_step(model, loss_type, "compute_grad_variance")[1]
+    ``E[g^2] - E[g]^2`` from the forms (the Fisher diagonal's squares and the mean); a
+    parameter where that difference cancels (somewhere under :data:`CANCELLING` of
+    ``E[g^2]``: samples that agree on a large common gradient, whose variance float32 would
+    lose) is done again in two passes over its materialized per-sample gradients."""
+    state, step = _nonempty_step(model, loss_type, "compute_grad_variance")
     if step.hess_passes:
         raise PerSampleHooksError(
             "compute_grad_variance: the hooks captured the passes of backprop_hess; the "
             "variance of per-sample gradients needs an ordinary backward of the loss")
-    second = compute_fisher_diag(model, loss_type)
-    batch = step.batch_size
+    check_unseen_uses(state, step)
+    batch, result = step.batch_size, {}
     for name, p, passes in _parameter_passes(step, parameter_names(model, step)):
-        if not passes:
-            second[name].zero_()
+        square_mean = full_zeros(p)
+        if not passes:  # its modules' outputs did not reach the loss
+            result[name] = square_mean
             continue
+        forms = passes[0]
+        add_squares(square_mean, forms, batch)
+        square_mean.mul_(step.scale * step.scale / batch)
         mean = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        forms_weighted_sum(mean, passes[0], torch.full(
+        forms_weighted_sum(mean, forms, torch.full(
             (batch,), step.scale / batch, dtype=p.dtype, device=p.device))
-        square_mean = second[name].div_(batch)
         variance = square_mean - mean.square()
         if bool((variance < square_mean * CANCELLING).any()):
-            per_sample = per_sample_gradients(passes[0], p.shape, batch)
+            per_sample = per_sample_gradients(forms, p.shape, batch)
             variance = per_sample.mul_(step.scale).var(0, unbiased=False)
-        second[name] = variance.clamp_(min=0)
-    return second
+        result[name] = variance.clamp_(min=0)
+    return result
 
 
 @torch.no_grad()

@@ -167,7 +167,6 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         raise broadcast_misuse_error(f"{caller}: ", module, op, "did not keep the batch dim")
     if status.batch_moved is not None:
         module, batch_dim, moved_to = status.batch_moved
-        state.end_step()
         raise PerSampleHooksError(
             f"{caller}: '{module}' was called on a view of the model's input with that input's "
             f"batch dim at its dim {moved_to} (a transpose: ids looked up as `emb(ids.T)`), "
