@@ -395,6 +395,9 @@ class Uses:
     #: for a call with no tensor input (``latents.expand(batch_size, -1, -1)``, Perceiver's
     #: embeddings): the size at batch_dim of its first expand of a derived value
     batch_size: int | None = None
+    #: the problem is an output made of raw parameters alone (a decoder's shared log-scale),
+    #: which the calling module combines with the batch
+    returns_unbatched: bool = False
 
 
 def _describe(value: Derived) -> str:
@@ -761,9 +764,10 @@ class _Forward:
         self.check_inputs(tensors, "its output")
         for t in tensors:
             entry = self.tracked.get(id(t))
-            if entry is not None:
+            if entry is not None and self.record.problem is None:
                 self.refuse(f"returns a value of its raw parameter(s) {_describe(entry[1])} "
                             "without the batch")
+                self.record.returns_unbatched = True
 
 
 def _repeats(args: tuple) -> tuple[int, ...]:

@@ -100,15 +100,16 @@ def assert_clipping_matches(model: nn.Module, inputs: Sequence[object], max_grad
 
 def assert_float32_matches(model: nn.Module, inputs: Sequence[object], max_norm: float,
                            loss_fn: LossFn = weighted_square, loss_type: str = "mean",
-                           rtol: float = 1e-4, atol: float = 1e-5) -> None:
+                           rtol: float = 1e-4, atol: float = 1e-5, **hook_options) -> None:
     """A float32 ``model``'s grad1, per-parameter norms and clip_grads' p.grad within float32
-    rounding of the float64 loop (run on a float64 copy; ``model`` stays float32)."""
+    rounding of the float64 loop (run on a float64 copy; ``model`` stays float32), hooked with
+    ``hook_options``."""
     reference, reference_inputs = as_double(copy.deepcopy(model), inputs)
     total, per_param, grads = loop_norms(reference, reference_inputs, loss_fn, loss_type)
     clipped = loop_clipped(grads, total, max_norm, loss_type)
     tolerance = dict(rtol=rtol, atol=atol)
     try:
-        hooked_backward(model, inputs, loss_fn, loss_type)
+        hooked_backward(model, inputs, loss_fn, loss_type, **hook_options)
         norms = psh.compute_norms(model, loss_type=loss_type, per_param=True)
         psh.compute_grad1(model, loss_type=loss_type)
         for n, p in model.named_parameters():
@@ -116,7 +117,7 @@ def assert_float32_matches(model: nn.Module, inputs: Sequence[object], max_norm:
             torch.testing.assert_close(p.grad1.double(), grads[n], **tolerance)
             torch.testing.assert_close(norms[n].double(), per_param[n], **tolerance)
         psh.remove_hooks(model)
-        hooked_backward(model, inputs, loss_fn, loss_type)
+        hooked_backward(model, inputs, loss_fn, loss_type, **hook_options)
         clip_norms = psh.clip_grads(model, max_norm, loss_type=loss_type)
         torch.testing.assert_close(clip_norms.double(), total, **tolerance)
         for n, p in model.named_parameters():

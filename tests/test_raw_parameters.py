@@ -896,9 +896,56 @@ def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
         message = str(error.value)
         assert f"'1' ({module.__name__}) " in message
         assert re.search(REFUSALS[module], message), message
-        assert "units=['1']" in message
+        assert f"units=['{'' if module is Returned else '1'}']" in message
     if module not in (Returned, Flipped, PermutedToChild):  # nor can the loop
         assert_matches_loop(model, [x], loss_fn=loss_fn, units=["1"])
+
+
+class GaussianDecoder(nn.Module):
+    """Returns its mean and its learned log-scale, which its caller combines with the batch;
+    ``expand=True`` returns the log-scale expanded to the batch."""
+
+    def __init__(self, expand: bool):
+        super().__init__()
+        self.fc, self.expand = nn.Linear(2, 3), expand
+        self.log_scale = nn.Parameter(torch.linspace(-0.2, 0.3, 3))
+
+    def forward(self, z):
+        log_scale = self.log_scale.expand(len(z), -1) if self.expand else self.log_scale
+        return self.fc(z), log_scale
+
+
+class GaussianNLL(nn.Module):
+    def __init__(self, expand: bool):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(3, 2), GaussianDecoder(expand)
+
+    def forward(self, x):
+        mean, log_scale = self.dec(torch.tanh(self.enc(x)))
+        return 0.5 * ((x - mean) / log_scale.exp()).square() + log_scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_value_of_raw_parameters_returned_to_the_caller_gets_advice_that_works(dtype):
+    """A child returning its raw parameter without the batch is refused with two fixes, the
+    value expanded to the batch or the calling module as the unit; each is exact."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=dtype)
+    model = GaussianNLL(expand=False).to(dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError) as error:
+            psh.compute_grad1(model)
+    message = str(error.value)
+    assert "'dec' (GaussianDecoder) returns a value of its raw parameter(s) 'log_scale'" in message
+    assert "expand(batch_size" in message and "units=['']" in message
+    fixed = GaussianNLL(expand=True).to(dtype)
+    fixed.load_state_dict(model.state_dict())
+    for units, fix in (([], fixed), ([""], model)):
+        if dtype == torch.float64:
+            assert_matches_loop(fix, [x], units=units)
+        else:
+            assert_float32_matches(fix, [x], 0.5, units=units)
 
 
 def test_mixing_the_batch_refused_also_when_positions_match_the_batch():

@@ -109,6 +109,14 @@ class RawParameterRule(Rule):
             uses = _uses(call)
             if uses.mixes_samples:
                 raise PerSampleHooksError(f"'{name}' ({type(module).__name__}) {uses.problem}")
+            if uses.returns_unbatched:
+                caller = name.rpartition(".")[0]
+                raise PerSampleHooksError(
+                    f"'{name}' ({type(module).__name__}) {uses.problem}, for the module that "
+                    "calls it to combine with the batch. Expand the value to the batch "
+                    "where it is returned (`return ..., p.expand(batch_size, *p.shape)`), or "
+                    "make the calling module one unit of the torch.func fallback (its parent: "
+                    f"add_hooks(model, units=['{caller}']))")
             if uses.problem is not None:
                 raise PerSampleHooksError(
                     f"'{name}' ({type(module).__name__}) {uses.problem}. Its per-sample "
