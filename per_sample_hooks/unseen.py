@@ -408,13 +408,15 @@ class UnseenUseCheck:
                                   dtype=torch.float64, device="cpu")
         gaps = (totals - values).abs()
         bounds = (tolerances * sizes + torch.finfo(torch.float32).tiny).unsqueeze(1)
-        for i in (gaps > bounds).any(1).nonzero().flatten().tolist():
-            key = keys[i]
-            if not self.rounding_explains(self.params[key], totals[i], values[i],
-                                          float(bounds[i]), users.get(key, ())):
-                fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
-                raise_unseen(self.owners[key], users.get(key, ()), fraction,
-                             key in self.taken_unnoted, self._state.model)
+        unseen = [i for i in (gaps > bounds).any(1).nonzero().flatten().tolist()
+                  if not self.rounding_explains(self.params[keys[i]], totals[i], values[i],
+                                                float(bounds[i]), users.get(keys[i], ()))]
+        if unseen:
+            i, key = unseen[0], keys[unseen[0]]
+            fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
+            raise_unseen(self.owners[key], users.get(key, ()), fraction,
+                         key in self.taken_unnoted, self._state.model,
+                         [self.owners[keys[j]] for j in unseen[1:]])
         self.schedule.checked_one(captured_structure(self._state),
                                   seconds + self.hook_seconds + time.perf_counter() - start)
 
@@ -593,18 +595,30 @@ def holder_of(model: nn.Module | None, name: str) -> str:
 
 
 def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
-                 taken_unnoted: bool = False, model: nn.Module | None = None) -> None:
+                 taken_unnoted: bool = False, model: nn.Module | None = None,
+                 others: Sequence[str] = ()) -> None:
     """``fraction``: the gap relative to the gradient; None for a gradient that autograd
     accumulated in place before any hooked output's (:meth:`UnseenUseCheck._arm`);
     ``taken_unnoted``: the parameter's ``.grad`` was taken as the step's own without a note
-    of the step's start (:meth:`UnseenUseCheck._start`)."""
+    of the step's start (:meth:`UnseenUseCheck._start`); ``others``: the other parameters
+    with such a term."""
     owners = " and ".join(f"'{u}'" for u in users) or "no hooked module"
     how = (f"its gradient differs by {fraction:.0%} from the hooked contributions"
            if fraction is not None else "autograd added to its .grad before any hooked "
            "module's output received a gradient")
     holder = holder_of(model, name)
+    units = list(dict.fromkeys(holder_of(model, n) for n in (name, *others)))
     root = type(model).__name__ if model is not None else ""  # the whole model's unit's name
-    if any(holder == u or holder.startswith(f"{u}.") or u in ("", root) for u in users):
+    container = name.rpartition(".")[0]
+    if model is not None and isinstance(model.get_submodule(container),
+                                        (nn.ParameterList, nn.ParameterDict)):
+        fix = (f"it is held by '{container}', a {type(model.get_submodule(container)).__name__}"
+               ", which has no forward, and read by the forward of the module that indexes "
+               "it; its per-sample gradients would miss that term. Let the torch.func "
+               f"fallback handle that module as one unit (likely add_hooks(model, units={units}"
+               ")), or hold each such parameter in a module that uses it "
+               "(an nn.Embedding for a table) and call that module")
+    elif any(holder == u or holder.startswith(f"{u}.") or u in ("", root) for u in users):
         fix = (f"{owners}, a unit already, holds it: the term comes from elsewhere, a term of "
                "the loss that reads the parameter itself (a regularizer, as peft AdaLoRA's "
                "orthogonal penalty in its .loss: leave it out of the loss the per-sample "
@@ -618,9 +632,10 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
                "(call a module that holds the parameter, e.g. an nn.Linear whose weight is tied "
                "to it), or let the torch.func fallback handle the module whose forward makes "
                "that use as one unit (likely the one that holds it: add_hooks(model, "
-               f"units=['{holder}']))")
+               f"units={units}))")
+    also = f", and so do {', '.join(repr(o) for o in others)}" if others else ""
     raise PerSampleHooksError(
-        f"parameter '{name}' has a gradient term that no hook sees ({how}): {fix}"
+        f"parameter '{name}' has a gradient term that no hook sees ({how}){also}: {fix}"
         + (
             ". Or its .grad held a gradient kept from before this step, which the check took "
             "as this step's (every step it had noted began without one): the next step is "
