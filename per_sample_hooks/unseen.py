@@ -619,7 +619,8 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
                ")), or hold each such parameter in a module that uses it "
                "(an nn.Embedding for a table) and call that module")
     elif any(holder == u or holder.startswith(f"{u}.") or u in ("", root) for u in users):
-        fix = (f"{owners}, a unit already, holds it: the term comes from elsewhere, a term of "
+        fix = (f"{owners} holds it, and every use in its forward is seen: the term comes "
+               "from elsewhere, a term of "
                "the loss that reads the parameter itself (a regularizer, as peft AdaLoRA's "
                "orthogonal penalty in its .loss: leave it out of the loss the per-sample "
                "quantities are taken of, or set its weight to 0) or another module that reads "

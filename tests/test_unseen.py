@@ -92,9 +92,34 @@ def test_a_loss_term_of_a_units_parameter_is_named_not_the_unit_again(dtype):
         out = model(tokens())
         (out.pow(2).mean() + model.lin.weight.square().sum()).backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"'lin\.weight' has a gradient "
-                           r"term that no hook sees.*'TiedLanguageModel', a unit already, "
-                           r"holds it: the term comes from elsewhere, a term of the loss"):
+                           r"term that no hook sees.*'TiedLanguageModel' holds it, and every "
+                           r"use in its forward is seen: the term comes from elsewhere, a term "
+                           r"of the loss"):
             psh.compute_grad1(model)
+
+
+def test_a_loss_term_of_the_models_own_raw_parameter_is_not_called_a_unit():
+    """The model's own raw parameter (a VAE's learned log-scale), followed op by op, not a
+    unit, and also read by the loss: the refusal says the term comes from elsewhere without
+    calling the model a unit."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.log_scale = nn.Linear(3, 3), nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return self.lin(x) * self.log_scale.exp()
+
+    model = Scaled()
+    with psh.add_hooks(model) as state:
+        assert not state.units
+        (model(torch.randn(4, 3)).square().mean() + model.log_scale.sum()).backward()
+        with pytest.raises(psh.PerSampleHooksError) as refusal:
+            psh.compute_grad1(model)
+    message = str(refusal.value)
+    assert "'log_scale' has a gradient term that no hook sees" in message
+    assert "the term comes from elsewhere, a term of the loss" in message
+    assert "unit already" not in message
 
 
 def test_parameter_only_used_outside_any_forward():
