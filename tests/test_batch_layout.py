@@ -112,17 +112,20 @@ class SumReadout(nn.Module):
 
 @pytest.mark.parametrize("loss_type", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_graphs_of_any_size_as_joint_groups(dtype, loss_type):
-    """Graphs of 2, 5, 1 and 4 nodes, their nodes shuffled: groups=JointGroups(node -> graph)
-    gives each graph's norm and the clipped mean (sum) of the loop over graphs, and a DPSGD
-    step with noise 0. Plain groups= (a graph the mean of its nodes' gradients) gave N/(G n_g)
-    (mean) or 1/n_g (sum) of the norms, silently."""
+@pytest.mark.parametrize("sizes", [[2, 5, 1, 4], [2, 5, 0, 1, 4]], ids=["nodes", "empty"])
+def test_graphs_of_any_size_as_joint_groups(dtype, loss_type, sizes):
+    """Graphs of 2, 5, 1 and 4 nodes (and one of none), their nodes shuffled:
+    groups=JointGroups(node -> graph) gives each graph's norm and the clipped mean (sum) of the
+    loop over graphs, and a DPSGD step with noise 0. Plain groups= (a graph the mean of its
+    nodes' gradients) gave N/(G n_g) (mean) or 1/n_g (sum) of the norms, silently. A graph of
+    no nodes has no id among the rows: ``count`` gives the number of graphs, without which
+    the mean loss's norms were (G - 1) / G of the truth."""
     torch.manual_seed(0)
     model = SumReadout().to(dtype)
-    sizes = [2, 5, 1, 4]
+    graphs = len(sizes)
     generator = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, 3, generator=generator, dtype=torch.float64) for n in sizes]
-    links = [torch.randint(0, n, (2, 2 * n), generator=generator) for n in sizes]
+    links = [torch.randint(0, max(n, 1), (2, 2 * n), generator=generator) for n in sizes]
     reference = copy.deepcopy(model).double()
     expected = loop_grads_of(reference, ([x, e, torch.zeros(len(x), dtype=torch.long), 1]
                                          for x, e in zip(xs, links)), weighted_square)
@@ -135,26 +138,28 @@ def test_graphs_of_any_size_as_joint_groups(dtype, loss_type):
     x = torch.cat(xs)[order].to(dtype)
     edges = place[torch.cat([e + s for e, s in zip(links, starts)], 1)]
     graph_of = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])[order]
+    groups = psh.JointGroups(graph_of, graphs if 0 in sizes else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     dp = psh.DPSGD(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.3,
-                   dataset_size=8, batch_size=4, loss_type=loss_type, accountant=None)
+                   dataset_size=2 * graphs, batch_size=graphs, loss_type=loss_type,
+                   accountant=None)
     with psh.add_hooks(model):
-        losses = weighted_square(model(x, edges, graph_of, 4))
+        losses = weighted_square(model(x, edges, graph_of, graphs))
         (losses.mean() if loss_type == "mean" else losses.sum()).backward()
-        got = psh.compute_norms(model, loss_type, groups=psh.JointGroups(graph_of))
+        got = psh.compute_norms(model, loss_type, groups=groups)
         torch.testing.assert_close(got.double(), norms, **loop_tolerance(dtype))
-        psh.clip_grads(model, 0.3, loss_type, groups=psh.JointGroups(graph_of))
+        psh.clip_grads(model, 0.3, loss_type, groups=groups)
         for name, p in model.named_parameters():
             clipped = torch.einsum("b,b...->...", factors, expected[name])
-            clipped = clipped / 4 if loss_type == "mean" else clipped
+            clipped = clipped / graphs if loss_type == "mean" else clipped
             torch.testing.assert_close(p.grad.double(), clipped, **loop_tolerance(dtype))
         before = [p.detach().clone() for p in model.parameters()]
         dp.zero_grad()
-        losses = weighted_square(model(x, edges, graph_of, 4))
+        losses = weighted_square(model(x, edges, graph_of, graphs))
         dp.backward(losses.mean() if loss_type == "mean" else losses.sum())
-        dp.step(groups=psh.JointGroups(graph_of))
-        for (name, p), start in zip(model.named_parameters(), before):  # the clipped sum / 4
-            step = torch.einsum("b,b...->...", factors, expected[name]) / 4
+        dp.step(groups=groups)
+        for (name, p), start in zip(model.named_parameters(), before):  # the clipped sum / G
+            step = torch.einsum("b,b...->...", factors, expected[name]) / graphs
             torch.testing.assert_close((start - p.detach()).double(), step,
                                        **loop_tolerance(dtype))
     dp.close()

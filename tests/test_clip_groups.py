@@ -14,6 +14,7 @@ import per_sample_hooks as psh
 from ground_truth import sum_of_outputs
 from per_sample_hooks import norms as norms_module
 from per_sample_hooks.forms import ghost
+from per_sample_hooks.rules import conv as conv_rule
 
 UNEQUAL = torch.tensor([7, 3, 7, 5, 3, 7])  # groups of sizes 3, 2, 1, not contiguous
 DTYPES = [torch.float64, torch.float32]
@@ -161,8 +162,35 @@ def test_per_group_thresholds_with_groups_of_rows(family):
 def test_chunked_conv_patches_of_groups(groups, monkeypatch):
     """Convolution patches built a few groups at a time (their rows gathered from a span)."""
     monkeypatch.setattr(ghost, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(conv_rule, "PATCH_CHUNK_ELEMENTS", 64)
     model, inputs = build("conv")
     assert_grouped_clipping_matches(model, inputs, 0.1, groups, sum_of_outputs)
+
+
+@pytest.mark.parametrize("family", ["conv", "linear", "embedding_bag"])
+def test_joint_groups_without_rows_are_zero_and_leave_the_others_unchanged(family,
+                                                                         monkeypatch):
+    """``JointGroups(ids, count)`` with groups 1 and 4 empty (convolution patches built a few
+    groups at a time, some spans holding no row): one norm per id, the empty ones 0, the others
+    those of the same groups numbered without gaps; sum loss: the same clipped sum."""
+    monkeypatch.setattr(ghost, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(conv_rule, "PATCH_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(norms_module, "KEEP_FRACTION", 0.0)  # norms from the forms
+    model, inputs = build(family)
+    numbered, compact = torch.tensor([0, 2, 0, 3, 2, 0]), torch.tensor([0, 1, 0, 2, 1, 0])
+    results = []
+    for groups in (psh.JointGroups(numbered, 5), psh.JointGroups(compact)):
+        hooked_backward(model, inputs, sum_of_outputs, "sum")
+        try:
+            norms = psh.clip_grads(model, 0.1, "sum", groups=groups)
+            results.append((norms, [p.grad.clone() for p in model.parameters()]))
+        finally:
+            psh.remove_hooks(model)
+    (with_count, grads), (without, expected) = results
+    assert with_count.shape == (5,) and bool((with_count[[1, 4]] == 0).all())
+    torch.testing.assert_close(with_count[[0, 2, 3]], without, rtol=1e-6, atol=0)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_per_layer_selectors_by_name_module_and_parameter():
@@ -231,6 +259,11 @@ def test_bad_groups_of_parameters(spec, error, message):
     (torch.zeros(6), ValueError, "groups must be a 1-D integer tensor"),
     (True, TypeError, "groups must be an int K"),
     ([0, 0, 1, 1, 2, 2], TypeError, "groups must be an int K .* got list"),
+    (psh.JointGroups(torch.tensor([0, 0, 1, 1, 3, 3]), 3), ValueError,
+     r"JointGroups\(ids, count=3\) needs ids in 0..2, got ids from 0 to 3"),
+    (psh.JointGroups(2, 3), TypeError, r"JointGroups\(ids, count\) takes a \[batch\] tensor"),
+    (psh.JointGroups(torch.zeros(6, dtype=torch.long), 0), TypeError,
+     r"JointGroups\(ids, count\) .* a positive int count, got Tensor and 0"),
 ])
 def test_bad_groups_of_rows(groups, error, message):
     model, inputs = build("linear")

@@ -30,8 +30,14 @@ class JointGroups:
     ``l_g``, the batch's loss being ``(1/count) sum_g l_g`` (``loss_type="mean"``) or
     ``sum_g l_g`` (``"sum"``), whatever the groups' sizes: its rows' contributions summed.
     (Plain ``groups=``: each row has a loss of its own, a group's gradient is the mean of its
-    rows'; the two agree for a mean loss over groups of one size.)"""
+    rows'; the two agree for a mean loss over groups of one size.)
+
+    ``count``: the number of groups where some have no rows (a batch of graphs holding an
+    empty graph, whose id never appears in torch_geometric's ``batch``): ``groups`` are then
+    ids ``0..count-1``, the mean loss is over all ``count``, and results have one entry per
+    id (an empty group's zero)."""
     groups: Tensor | int
+    count: int | None = None
 
 
 RowGrouping = Tensor | int | JointGroups
@@ -68,7 +74,8 @@ def row_groups(groups: RowGrouping, batch: int, caller: str,
     groups numbered by sorted id), or either as a :class:`JointGroups` (``mean``: the loss is
     a mean)."""
     if isinstance(groups, JointGroups):
-        rows = row_groups(groups.groups, batch, caller)
+        rows = row_groups(groups.groups, batch, caller) if groups.count is None else \
+            _numbered_groups(groups.groups, groups.count, batch, caller)
         share = rows.count / batch if mean and batch else 1.0
         return RowGroups(rows.ids, rows.index, torch.full_like(rows.weights, share),
                          rows.contiguous)
@@ -86,12 +93,38 @@ def row_groups(groups: RowGrouping, batch: int, caller: str,
         rows = torch.arange(batch, device="cpu")
         weights = torch.full((batch,), 1.0 / groups, dtype=torch.float64, device="cpu")
         return RowGroups(rows // groups, rows.view(-1, groups), weights, True)
+    _check_ids(groups, batch, caller)
+    _, ids, sizes = torch.unique(groups.cpu(), return_inverse=True, return_counts=True)
+    return _grouped_by_ids(ids, sizes)
+
+
+def _check_ids(groups: Tensor, batch: int, caller: str) -> None:
     if groups.dim() != 1 or groups.shape[0] != batch or groups.is_floating_point() \
             or groups.is_complex() or groups.dtype == torch.bool:
         raise ValueError(f"{caller}: groups must be a 1-D integer tensor with one group id per "
                          f"row ({batch} rows), got dtype {groups.dtype}, shape "
                          f"{tuple(groups.shape)}")
-    _, ids, sizes = torch.unique(groups.cpu(), return_inverse=True, return_counts=True)
+
+
+def _numbered_groups(groups: Tensor | int, count: int, batch: int, caller: str) -> RowGroups:
+    """The groups of ``JointGroups(ids, count)``: ``count`` groups numbered by the ids
+    ``0..count-1``, some possibly without rows."""
+    if not isinstance(groups, Tensor) or isinstance(count, bool) or \
+            not isinstance(count, numbers.Integral) or count < 1:
+        raise TypeError(f"{caller}: JointGroups(ids, count) takes a [batch] tensor of ids "
+                        f"0..count-1 and a positive int count, got {type(groups).__name__} "
+                        f"and {count!r}")
+    _check_ids(groups, batch, caller)
+    ids = groups.cpu().long()
+    if batch and not 0 <= int(ids.min()) <= int(ids.max()) < count:
+        raise ValueError(f"{caller}: JointGroups(ids, count={count}) needs ids in 0..{count - 1}"
+                         f", got ids from {int(ids.min())} to {int(ids.max())}")
+    return _grouped_by_ids(ids, torch.bincount(ids, minlength=int(count)))
+
+
+def _grouped_by_ids(ids: Tensor, sizes: Tensor) -> RowGroups:
+    """``ids [B]`` in ``0..len(sizes)-1``, ``sizes[g]`` rows in group ``g``."""
+    batch = len(ids)
     order, position = side_by_side(ids, sizes)
     index = torch.full((len(sizes), int(sizes.max()) if batch else 0), batch, dtype=torch.long,
                        device="cpu")
@@ -122,7 +155,8 @@ def _gathered_build(acts: Unfolded, groups: RowGroups) -> Unfolded:
                                       stop * groups.index.shape[1]), groups, stop - start)
         index = groups.index[start:stop]
         valid = index < groups.rows
-        lo, hi = int(index[valid].min()), int(index[valid].max()) + 1
+        lo, hi = (int(index[valid].min()), int(index[valid].max()) + 1) if valid.any() \
+            else (0, 0)  # groups without rows
         chunk = acts.build(lo, hi)
         local = torch.where(valid, index - lo, hi - lo).to(chunk.device)
         padded = torch.cat([chunk, chunk.new_zeros(1, *chunk.shape[1:])])[local]
