@@ -131,9 +131,9 @@ def _empty_like_collated(batch: Any) -> Any:
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     kind = "a 0-dim tensor" if isinstance(batch, Tensor) else type(batch).__name__
     raise TypeError(f"DPSGD: cannot make an empty batch from the collate_fn's output ({kind}"
-                    "; tensors with a batch dimension, mappings and lists are expected): make "
-                    "collate_fn([]) return the empty batch, or use the indices of batches() "
-                    "without data=")
+                    "; tensors with a batch dimension, mappings and lists are expected), which "
+                    "Poisson sampling draws now and then: make collate_fn([]) return the empty "
+                    "batch, use the indices of batches() without data=, or sampling='fixed'")
 
 
 class SampledData:
@@ -298,6 +298,8 @@ class DPSGD:
         self.data, dataset_size, batch_size = _data_sizes(data, dataset_size, batch_size)
         if sampling not in ("poisson", "fixed"):
             raise ValueError(f"DPSGD: sampling must be 'poisson' or 'fixed', got {sampling!r}")
+        if self.data is not None and sampling == "poisson":
+            self.data[torch.zeros(0, dtype=torch.long)]  # the empty batch, refused now if need be
         if secure_rng and generator is not None:
             raise ValueError("DPSGD: secure_rng=True draws the noise from os.urandom, which "
                              "takes no generator (the generator would only sample the batches: "

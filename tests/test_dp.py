@@ -769,6 +769,29 @@ def test_data_gives_the_samples_of_the_sampled_indices():
                 assert [s["name"] for s in batch] == [f"sample {i}" for i in idx.tolist()]
 
 
+class GraphBatch:
+    """A collated batch that cannot be cut to length 0 (torch_geometric's ``DataBatch``)."""
+
+    def __init__(self, samples):
+        if not samples:
+            raise ValueError("cannot collate an empty list")
+        self.x = torch.stack([s["x"] for s in samples])
+
+
+def test_data_that_cannot_make_an_empty_batch_is_refused_when_poisson_sampling_is_set_up():
+    """Poisson sampling draws empty batches: a collate_fn that cannot give one is refused by
+    the constructor (it was refused at the first empty draw, maybe epochs in); fixed-size
+    sampling never draws one and takes it."""
+    x, y = torch.randn(40, 6), torch.randint(3, (40,))
+    loader = torch.utils.data.DataLoader(DictDataset(x, y), batch_size=1, collate_fn=GraphBatch)
+    with pytest.raises(TypeError, match=r"DPSGD: cannot make an empty batch .*\(GraphBatch; .*"
+                                        r"Poisson sampling draws now and then.*sampling='fixed'"):
+        _data_dp(loader)
+    dp = _data_dp(loader, sampling="fixed")
+    for _, batch in zip(range(3), dp.batches()):
+        assert batch.x.shape == (1, 6)
+
+
 def test_data_pieces_and_training_match_indices():
     """A Dataset through batches(max_micro_batch=) trains exactly like indices into tensors."""
     torch.manual_seed(0)
