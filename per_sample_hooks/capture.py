@@ -8,6 +8,7 @@ reach them. Tensor hooks (not module backward hooks) keep working when an in-pla
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -248,6 +249,29 @@ def _not_recorded_here(compiling: bool) -> bool:
     is its own business."""
     return not compiling and (torch._C._functorch.peek_interpreter_stack() is not None
                               or _RE_RUNNING.get())
+
+
+# the forward hooks of every module (register_module_forward_hook), which run before a
+# module's own: the library's hook sees what they return
+_GLOBAL_FORWARD_HOOKS = getattr(nn.modules.module, "_global_forward_hooks", {})
+GLOBAL_HOOKS_WARNING = (
+    "per_sample_hooks: a global forward hook (torch.nn.modules.module."
+    "register_module_forward_hook) is registered; it runs before the library's hook on every "
+    "hooked module. One that only observes (a profiler, FlopCounterMode) is fine; one that "
+    "changes a hooked module's output makes the per-sample quantities wrong, and nothing can "
+    "tell: register such a hook on the module instead (module.register_forward_hook)")
+
+
+def _substituted(module: nn.Module, name: str, recurse: bool) -> tuple[str, str] | None:
+    """``(module name, parameter name)`` of a plain tensor that stands in a parameter's place
+    in ``module`` (below it too: ``recurse``) for this call, as ``torch.func.functional_call``
+    puts there; None if every one is an ``nn.Parameter``."""
+    holders = module.named_modules(prefix=name) if recurse else ((name, module),)
+    for prefix, holder in holders:
+        for key, t in holder._parameters.items():
+            if t is not None and not isinstance(t, nn.Parameter):
+                return prefix, key
+    return None
 
 
 def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None = None,
@@ -592,6 +616,9 @@ class StepStatus:
     # (module, its batch dim, the dim it had the batch at): the first module called on a
     # view of a model's input with that input's batch dim moved (``emb(ids.T)``)
     batch_moved: tuple[str, int, int] | None = None
+    # (module, parameter): the first call of a module with a plain tensor in place of one of
+    # its parameters (``torch.func.functional_call`` with other tensors, fast weights)
+    substituted: tuple[str, str] | None = None
     # the first module whose output of size 1 was expanded over the batch in this step
     expanded: str | None = None
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
@@ -677,6 +704,7 @@ class HookState:
         self.model_input_shapes: set[torch.Size] | None = set()
         self.model_batch_dim = 0
         self.options: dict[str, object] = {}  # add_hooks' arguments, as it resolved them
+        self.warned_global_hooks = False  # GLOBAL_HOOKS_WARNING given
         # ids of those inputs (a layer called on one is called on the batch, no model tensor)
         self.model_input_ids: set[int] = set()
         # ids of the parameters of the hooked modules (a unit's: below it too), kept until a
@@ -691,8 +719,8 @@ class HookState:
         self._graphs_freed = [0]
         self._on_graph_freed = partial(_count_freed, self._graphs_freed)
         for module in modules:
-            self.handles.append(module.register_forward_hook(ForwardHook(self, module),
-                                                             with_kwargs=True))
+            self.handles.append(module.register_forward_hook(  # first: the module's output
+                ForwardHook(self, module), with_kwargs=True, prepend=True))
         _live_states.add(self)
 
     @property
@@ -746,8 +774,13 @@ class HookState:
                 moved_to = _batch_moved(first, batch_dim, self.model_batch_dim)
                 if moved_to is not None:
                     status.batch_moved = (name, batch_dim, moved_to)
-            # the values a re-run or a rule reads
             recurse = owner in self.units
+            if status.substituted is None:
+                status.substituted = _substituted(owner, name, recurse)
+            if _GLOBAL_FORWARD_HOOKS and not self.warned_global_hooks:
+                self.warned_global_hooks = True
+                warnings.warn(GLOBAL_HOOKS_WARNING, stacklevel=2)
+            # the values a re-run or a rule reads
             values = [("parameter", n, p) for n, p in owner.named_parameters(recurse=recurse)
                       ] if rule.needs_parameter_values else []
             if (owner._buffers or recurse) and not owner.training:  # running statistics (in

@@ -17,9 +17,10 @@ use the vectors of the step's forward and leave them as they are:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.nn.utils import parametrizations
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -97,5 +98,37 @@ class _SpectralNormWithoutIteration:
                 self.hook.compute_weight(module, do_power_iteration=False))
 
 
+class _ForwardOnly(nn.Module):
+    """Runs ``module``'s forward pre-hooks (the deprecated ``weight_norm`` computes its weight
+    in one), their results left out, then its ``forward``: a recorded call's arguments come
+    after the pre-hooks that change them and its output gradient before the hooks that change
+    its output (the user's; see ``capture``), so neither is applied again."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        module = self.module
+        for key, hook in module._forward_pre_hooks.items():
+            if key in module._forward_pre_hooks_with_kwargs:
+                hook(module, args, kwargs)
+            else:
+                hook(module, args)
+        return module.forward(*args, **kwargs)
+
+
+def recorded_forward(module: nn.Module) -> Callable[[dict[str, Tensor], tuple, dict], object]:
+    """``call(values, args, kwargs)``: ``torch.func.functional_call(module, values, args,
+    kwargs)`` of the computation a recorded call of ``module`` made from its arguments to its
+    output (:class:`_ForwardOnly`)."""
+    wrapper = _ForwardOnly(module)
+
+    def call(values: dict[str, Tensor], args: tuple, kwargs: dict) -> object:
+        return torch.func.functional_call(
+            wrapper, {f"module.{n}": v for n, v in values.items()}, args, kwargs)
+    return call
+
+
 __all__ = ["is_parametrized", "iterating_spectral_norms", "power_iterations_off",
-           "reparametrization"]
+           "recorded_forward", "reparametrization"]

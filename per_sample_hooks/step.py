@@ -143,15 +143,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     state = get_state(model)
     swap_in_full_values(state)  # FSDP2, in a call that gathers them (every rank, collective)
     status = state.status
-    if status.forward_after_backward is not None:
-        state.end_step()  # this step is lost; the next forward starts a new one
-        raise PerSampleHooksError(
-            f"{caller}: '{status.forward_after_backward}' ran a forward pass after a backward "
-            "pass of the same step (several forward+backward passes, e.g. gradient "
-            "accumulation): the rows of different micro-batches would be added sample by "
-            f"sample. Call {caller} after each backward (clone the results to keep them), or "
-            "clear_backprops(model) before each micro-batch you do not need")
-    if status.create_graph:
+    if status.create_graph:  # before a forward after the backward: meta-learning does both
         raise PerSampleHooksError(
             f"{caller}: a backward pass of this step built the graph of its gradients "
             "(create_graph=True: a gradient penalty, meta-learning, a Hessian-vector product) "
@@ -161,6 +153,23 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "would be summed as if each were a loss of its own: not supported. Take such "
             "per-sample gradients with torch.func (vmap of grad), or run that backward on an "
             "unhooked copy of the model")
+    if status.forward_after_backward is not None:
+        state.end_step()  # this step is lost; the next forward starts a new one
+        raise PerSampleHooksError(
+            f"{caller}: '{status.forward_after_backward}' ran a forward pass after a backward "
+            "pass of the same step (several forward+backward passes, e.g. gradient "
+            "accumulation): the rows of different micro-batches would be added sample by "
+            f"sample. Call {caller} after each backward (clone the results to keep them), or "
+            "clear_backprops(model) before each micro-batch you do not need")
+    if status.substituted is not None:
+        module, parameter = status.substituted
+        raise PerSampleHooksError(
+            f"{caller}: '{module}' ran with a tensor in place of its parameter '{parameter}' "
+            "(torch.func.functional_call with other tensors, fast weights, a hypernetwork's "
+            "output): the hooks give per-sample gradients of the registered parameters, which "
+            "that call did not use as they are. Call it with its own parameters "
+            "(functional_call(model, dict(model.named_parameters()), ...), values changed in "
+            "place), or take per-sample gradients of other tensors with torch.func")
     if status.broadcast_misuse is not None:
         module, op = status.broadcast_misuse
         state.end_step()  # this step is lost; the next forward starts a new one

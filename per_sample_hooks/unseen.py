@@ -88,7 +88,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .capture import Call, HookState, map_tensors
 from .errors import PerSampleHooksError
-from .reparametrized import power_iterations_off
+from .reparametrized import power_iterations_off, recorded_forward
 
 CheckUnseen = bool | Literal["always"]
 
@@ -546,9 +546,10 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
     """Autograd's gradient of ``module``'s parameter ``name`` summed over ``calls`` (captured
     records, each backward pass its own vector-Jacobian product), recomputed in ``dtype``.
 
-    The module's own forward (``torch.func.functional_call``) runs with plain autograd and the
-    hooks paused, on copies of the buffers (a BatchNorm's running statistics are not updated
-    twice); grad mode is on, so recurrent layers take their training kernels. It takes the
+    The module's own forward (:func:`~.reparametrized.recorded_forward`) runs with plain
+    autograd and the hooks paused, on copies of the buffers (a BatchNorm's running statistics
+    are not updated twice); grad mode is on, so recurrent layers take their training kernels.
+    It takes the
     forward's kernels as far as the record tells: arguments keep their aliasing
     (:func:`~per_sample_hooks.capture.map_tensors`: MultiheadAttention's packed in-projection
     needs ``query is key is value``) and parameters their ``requires_grad``; inputs do not
@@ -562,11 +563,12 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
     buffers = {n: cast(b).clone() for n, b in module.named_buffers()}
     weight = params[name].requires_grad_()
     total = torch.zeros_like(weight)
+    forward = recorded_forward(module)
     with state.paused(), torch.enable_grad(), power_iterations_off(module):
         for call in calls:
             leaves = [j for j, passes in enumerate(call.grads) if passes]
             args, kwargs = map_tensors(cast, (call.args, call.kwargs))  # aliasing kept
-            output = torch.func.functional_call(module, {**params, **buffers}, args, kwargs)
+            output = forward({**params, **buffers}, args, kwargs)
             flat = tree_flatten(output)[0]
             outputs = [flat[j] for j in leaves]
             for k in range(max(len(call.grads[j]) for j in leaves)):

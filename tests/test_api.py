@@ -147,6 +147,126 @@ def test_user_tensor_hooks_on_captured_outputs_run_and_come_off(dtype):
 
 
 
+def steer(module, args, output):  # activation steering: a new output
+    return output * 2.0 - 0.5
+
+
+def scale_in_place(module, args, output):
+    output.mul_(1.5)
+
+
+def doubled_input(module, args):  # a forward pre-hook: new arguments
+    return (args[0] * 2.0,)
+
+
+def register(module, hook):
+    if hook is doubled_input:
+        return module.register_forward_pre_hook(hook)
+    return module.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("user_hook", [steer, scale_in_place, doubled_input])
+@pytest.mark.parametrize("registered", ["before", "after"])
+@pytest.mark.parametrize("layer", [0, 3], ids=["linear", "unit"])
+def test_a_user_forward_hook_changing_a_layers_output_either_side_of_add_hooks(
+        layer, registered, user_hook, dtype):
+    """The library's forward hook runs first (registered with prepend): it sees the layer's
+    own output whether the user's hook that changes it was registered before add_hooks or
+    after, on a layer with a rule or a torch.func unit. Registered before, grad1 was taken at
+    the changed output (50% off, silent in float32). A unit's re-run is its forward alone, on
+    the arguments it got: the hooks that changed them, or its output, not run again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3), ScaledMLP.Scale()
+                          ).to(dtype)
+    x = torch.randn(6, 5, dtype=dtype)
+    reference = copy.deepcopy(model).double()
+    register(reference[layer], user_hook)
+    expected = loop_grads(reference, [x.double()], weighted_square, 6)
+    if registered == "before":
+        register(model[layer], user_hook)
+    with psh.add_hooks(model, check_unseen="always", units=["3"]):
+        if registered == "after":
+            register(model[layer], user_hook)
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("substitute", ["leaf", "computed", "clone"])
+def test_a_module_run_with_other_tensors_in_place_of_its_parameters_is_refused(substitute,
+                                                                               dtype):
+    """torch.func.functional_call with fast weights (a new leaf), a hypernetwork's output or a
+    clone in place of a weight: the hooks would give the registered parameter the substitute's
+    per-sample gradients (for a leaf, one autograd gives no gradient at all: silent). Refused,
+    naming the module and the parameter; the next step, called with the model's own
+    parameters, is exact."""
+    model = mlp().to(dtype)
+    x = torch.randn(6, 5, dtype=dtype)
+    weight = model[2].weight
+    substitutes = {"leaf": lambda: weight.detach().clone().requires_grad_(),
+                   "computed": lambda: torch.tanh(model[0].weight[:3, :4]),
+                   "clone": weight.clone}
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], sum_of_outputs, 6)
+    with psh.add_hooks(model):
+        out = torch.func.functional_call(model, {"2.weight": substitutes[substitute]()}, (x,))
+        out.sum(1).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"compute_grad1: '2' ran with a "
+                           r"tensor in place of its parameter 'weight' \(torch.func"):
+            psh.compute_grad1(model)
+        model.zero_grad(set_to_none=True)
+        torch.func.functional_call(model, dict(model.named_parameters()), (x,)
+                                   ).sum(1).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+def test_second_order_meta_learning_is_refused_for_its_graph_of_gradients():
+    """MAML: an inner step with create_graph=True, fast weights computed from it, an outer
+    forward and backward. Refused naming create_graph (the cause), not the forward after the
+    backward or the fast weights that come of it; the next plain step is exact."""
+    model = mlp().double()
+    x, x_outer = torch.randn(6, 5, dtype=torch.double), torch.randn(6, 5, dtype=torch.double)
+    expected = loop_grads(copy.deepcopy(model), [x], sum_of_outputs, 6)
+    with psh.add_hooks(model):
+        params = dict(model.named_parameters())
+        grads = torch.autograd.grad(model(x).square().sum(), list(params.values()),
+                                    create_graph=True)
+        fast = {n: p - 0.1 * g for (n, p), g in zip(params.items(), grads)}
+        torch.func.functional_call(model, fast, (x_outer,)).sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"create_graph=True: a gradient "
+                           r"penalty, meta-learning"):
+            psh.compute_grad1(model)
+        model.zero_grad(set_to_none=True)
+        step(model, x)
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[n], rtol=1e-10, atol=1e-12)
+
+
+def test_a_global_forward_hook_is_warned_of_once():
+    """A global forward hook runs before the library's on every module, and what it returns
+    cannot be told from the module's own output: a warning, once per hooked model."""
+    model = mlp()
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        with psh.add_hooks(model), pytest.warns(UserWarning, match="a global forward hook"):
+            for _ in range(2):
+                step(model, torch.randn(4, 5))
+                psh.compute_grad1(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with psh.add_hooks(model):
+                handle.remove()
+                step(model, torch.randn(4, 5))
+                psh.compute_grad1(model)
+    finally:
+        handle.remove()
+
+
 class ScaledMLP(nn.Module):
     """Linear, Tanh, Linear and a module with no rule (a fallback unit)."""
 

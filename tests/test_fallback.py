@@ -766,8 +766,8 @@ class ScaledInPlace(nn.Module):
         self.block = nn.Sequential(nn.Linear(4, 5), nn.Softplus())  # saves its input only
         self.head = nn.Linear(5, 2)
         self.unit_calls = 0
-        self.block.register_forward_hook(lambda *_: setattr(self, "unit_calls",
-                                                            self.unit_calls + 1))
+        self.block.register_forward_pre_hook(lambda *_: setattr(self, "unit_calls",
+                                                                self.unit_calls + 1))
 
     def forward(self, x):
         y = self.block(x)

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..capture import Call, not_recorded, summed_passes
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form
-from ..reparametrized import iterating_spectral_norms, power_iterations_off
+from ..reparametrized import iterating_spectral_norms, power_iterations_off, recorded_forward
 from .base import Rule
 from .normalization import batch_statistics_error, uses_batch_statistics
 
@@ -481,10 +481,11 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     frozen = {n: p.detach() for n, p in params.items() if n not in names}
     trainable = {n: params[n].detach() for n in names}
 
+    forward = recorded_forward(module)
+
     def outputs(args: Sequence, kwargs: dict, weights: dict[str, Tensor]) -> list[Tensor]:
         with registrations_kept(module):
-            output = torch.func.functional_call(module, {**frozen, **weights}, tuple(args),
-                                                {**kwargs, **rerun_kwargs})
+            output = forward({**frozen, **weights}, tuple(args), {**kwargs, **rerun_kwargs})
         leaves = tree_flatten(output)[0]
         return [leaves[j] for j in out_leaves]
 
