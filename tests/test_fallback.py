@@ -330,7 +330,10 @@ def test_multihead_attention(batch_first, batch, length, source, kv_dims, add_bi
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_transformer_encoder_layer(norm_first, batch_first, mode):
+@pytest.mark.parametrize("units", [(), ("layer",)], ids=["rules", "unit"])
+def test_transformer_encoder_layer(norm_first, batch_first, mode, units):
+    """Its layers' rules, or the layer as one unit (whose layout reads batch_first from its
+    attention: torch 2.15's layer has none of its own)."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
                                        batch_first=batch_first, norm_first=norm_first)
@@ -350,9 +353,9 @@ def test_transformer_encoder_layer(norm_first, batch_first, mode):
             return self.layer(x, src_mask=src_mask.to(x.dtype), src_key_padding_mask=padding)
 
     if batch_first:
-        assert_matches_loop(Model(), [x, padding])
+        assert_matches_loop(Model(), [x, padding], units=units)
     else:
-        assert_matches_loop_dims(Model(), [x, padding], [1, 0], batch_dim=1)
+        assert_matches_loop_dims(Model(), [x, padding], [1, 0], batch_dim=1, units=units)
 
 
 def test_batch_dim_mapping_nearest_entry_wins():

@@ -175,7 +175,8 @@ def explicit_attention_agrees(arguments: dict[str, object]) -> bool:
 
 def _transformer_layout(module: nn.Module, call: Call, sequences: Sequence[str],
                         padding_masks: Sequence[str], masks: Sequence[str]) -> Layout:
-    dim = 0 if module.batch_first else 1
+    batch_first = getattr(module, "batch_first", None)  # torch 2.15's layers: their attention's
+    dim = 0 if (module.self_attn.batch_first if batch_first is None else batch_first) else 1
     arguments = _bind(module, call)
     batch_size = arguments[sequences[0]].shape[dim]
     table: dict[str, Spec] = {name: dim for name in sequences}
