@@ -62,10 +62,11 @@ class Call:
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
                  "watched", "note", "hooks", "values", "recomputed", "outputs", "shared_input",
-                 "__weakref__")
+                 "name", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
-                 compiling: bool = False):
+                 compiling: bool = False, name: str | None = None):
+        self.name = name  # the module's path in the model, for messages
         self.args = args
         self.kwargs = kwargs
         self.grads: list[list[Tensor]] = [[]] if n_outputs == 1 else \
@@ -763,7 +764,7 @@ class HookState:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
         given_args, given_kwargs = args, kwargs
         args, kwargs = detach_arguments(args, kwargs)
-        call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling)
+        call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling, name)
         call.recomputed = in_backward
         if not compiling:
             first = given_args[0] if given_args else None

@@ -17,7 +17,7 @@ use the vectors of the step's forward and leave them as they are:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -100,29 +100,36 @@ class _SpectralNormWithoutIteration:
 
 class _ForwardOnly(nn.Module):
     """Runs ``module``'s forward pre-hooks (the deprecated ``weight_norm`` computes its weight
-    in one), their results left out, then its ``forward``: a recorded call's arguments come
-    after the pre-hooks that change them and its output gradient before the hooks that change
-    its output (the user's; see ``capture``), so neither is applied again."""
+    in one), their results left out but for those of the hooks ``applied`` (by key), then its
+    ``forward``: a recorded call's arguments come after the pre-hooks that change them and its
+    output gradient before the hooks that change its output (the user's; see ``capture``), so
+    neither is applied again."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, applied: Collection[int]) -> None:
         super().__init__()
-        self.module = module
+        self.module, self.applied = module, applied
 
     def forward(self, *args: object, **kwargs: object) -> object:
         module = self.module
         for key, hook in module._forward_pre_hooks.items():
             if key in module._forward_pre_hooks_with_kwargs:
-                hook(module, args, kwargs)
+                result = hook(module, args, kwargs)
+                if result is not None and key in self.applied:
+                    args, kwargs = result
             else:
-                hook(module, args)
+                result = hook(module, args)
+                if result is not None and key in self.applied:
+                    args = result if isinstance(result, tuple) else (result,)
         return module.forward(*args, **kwargs)
 
 
-def recorded_forward(module: nn.Module) -> Callable[[dict[str, Tensor], tuple, dict], object]:
+def recorded_forward(module: nn.Module, applied: Collection[int] = ()
+                     ) -> Callable[[dict[str, Tensor], tuple, dict], object]:
     """``call(values, args, kwargs)``: ``torch.func.functional_call(module, values, args,
     kwargs)`` of the computation a recorded call of ``module`` made from its arguments to its
-    output (:class:`_ForwardOnly`)."""
-    wrapper = _ForwardOnly(module)
+    output (:class:`_ForwardOnly`; ``applied``: the keys of the pre-hooks, registered for the
+    re-run, whose results it takes)."""
+    wrapper = _ForwardOnly(module, applied)
 
     def call(values: dict[str, Tensor], args: tuple, kwargs: dict) -> object:
         return torch.func.functional_call(

@@ -627,9 +627,10 @@ def test_a_unit_whose_forward_depends_on_the_batch_is_refused_with_the_cause(dty
     psh.add_hooks(model, units=["0"])
     try:
         model(x).sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"Branches, a unit of the torch.func "
-                           r"fallback, gives sample 0 another output 0 when re-run alone, one "
-                           r"at a time \(vmap cannot batch it\), .*depends on the batch"):
+        with pytest.raises(psh.PerSampleHooksError, match=r"'0' \(Branches\), a unit of the "
+                           r"torch.func fallback, gives sample 0 another output 0 when re-run "
+                           r"alone, one at a time \(vmap cannot batch it\), .*depends on the "
+                           r"batch"):
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         # every sample on the batch's branch: its Linear's rule is exact
@@ -700,7 +701,7 @@ def test_a_unit_vmap_cannot_batch_is_re_run_one_sample_at_a_time(unit, dtype):
     psh.add_hooks(model, units=["0"], check_unseen="always")
     try:
         weighted_square(model(x)).mean().backward()
-        with pytest.warns(UserWarning, match=f"{unit.__name__}, a unit of the torch.func "
+        with pytest.warns(UserWarning, match=rf"'0' \({unit.__name__}\), a unit of the torch.func "
                           "fallback, is re-run one sample at a time"):
             psh.compute_grad1(model)
         for n, p in model.named_parameters():
@@ -749,10 +750,10 @@ def test_a_unit_whose_re_run_gives_other_outputs_is_refused(unit, dtype):
     psh.add_hooks(model, units=["0"])
     try:
         model(torch.randn(6, 4, dtype=dtype)).square().sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=rf"{unit.__name__}, a unit of the "
-                           r"torch.func fallback, gives sample \d another output 0 when re-run "
-                           r"alone, (under torch.func.vmap|one at a time).*depends on the "
-                           r"batch .* or draws random numbers"):
+        with pytest.raises(psh.PerSampleHooksError, match=rf"'0' \({unit.__name__}\), a "
+                           r"unit of the torch.func fallback, gives sample \d another output 0 "
+                           r"when re-run alone, (under torch.func.vmap|one at a time).*depends "
+                           r"on the batch .* or draws random numbers"):
             psh.compute_grad1(model)
     finally:
         psh.remove_hooks(model)

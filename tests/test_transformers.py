@@ -628,7 +628,8 @@ def test_mixture_of_experts_blocks_as_units_are_exact(family, implementation, dt
         if family == "phimoe":
             model.zero_grad(set_to_none=True)
             loss_of(model, batch).backward()
-            with pytest.raises(psh.PerSampleHooksError, match=r"PhimoeSparseMoeBlock, a unit .*"
+            with pytest.raises(psh.PerSampleHooksError,
+                               match=r"'model.layers.0.mlp' \(PhimoeSparseMoeBlock\), a unit .*"
                                r"another output 0 when re-run alone.*draws random numbers"), \
                     warnings.catch_warnings():
                 warnings.simplefilter("ignore")

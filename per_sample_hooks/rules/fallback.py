@@ -420,12 +420,17 @@ def without_cudnn(off: bool = True) -> Iterator[None]:
         torch.backends.cudnn.enabled = enabled
 
 
+def _who(module: nn.Module, name: str | None) -> str:
+    """``'path' (Type)`` of a unit, for messages; the model itself is named by its type."""
+    who = type(module).__name__
+    return who if name in (None, "", who) else f"'{name}' ({who})"
+
+
 def refuse_unbatched_outputs(module: nn.Module, call: Call, layout: Layout,
                              name: str | None = None) -> None:
     """Refuse a call of a unit with an output that reaches the loss without the batch at its
     batch dim (``name``: the unit's path, for the message)."""
-    who = type(module).__name__  # the model itself is named so too
-    who = who if name in (None, who) else f"'{name}' ({who})"
+    who = _who(module, call.name if name is None else name)
     for j, passes in enumerate(call.grads):
         if not passes:
             continue
@@ -482,8 +487,6 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     frozen = {n: p.detach() for n, p in params.items() if n not in names}
     trainable = {n: params[n].detach() for n in names}
 
-    forward = recorded_forward(module)
-
     def outputs(args: Sequence, kwargs: dict, weights: dict[str, Tensor]) -> list[Tensor]:
         with registrations_kept(module):
             output = forward({**frozen, **weights}, tuple(args), {**kwargs, **rerun_kwargs})
@@ -518,7 +521,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         except PerSampleHooksError:
             raise
         except (RuntimeError, ValueError, TypeError, IndexError) as error:
-            raise _unbatchable(module, recurrent, error) from error
+            raise _unbatchable(_who(module, call.name), recurrent, error) from error
 
     # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
     # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
@@ -531,6 +534,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
                for m in recurrent.values()]
     handles += [sub.register_forward_pre_hook(partial(_draws_random_numbers, module, name))
                 for name, sub in (_random_modules(module) if call.training else {}).items()]
+    forward = recorded_forward(module, {handle.id for handle in handles})
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), \
                 power_iterations_off(module), values_kept(module):
@@ -538,13 +542,14 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
             with torch.no_grad():
                 batched = _kept_outputs(call, out_leaves, alone) or \
                     outputs(call.args, call.kwargs, trainable)
-                _outputs_agree(module, batched, alone, out_specs, failure is not None)
+                _outputs_agree(_who(module, call.name), batched, alone, out_specs,
+                               failure is not None)
     finally:
         for handle in handles:
             handle.remove()
     if failure is not None:
         warnings.warn(
-            f"{type(module).__name__}, a unit of the torch.func fallback, is re-run one sample "
+            f"{_who(module, call.name)}, a unit of the torch.func fallback, is re-run one sample "
             "at a time, since torch.func cannot batch its forward "
             f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample gradients are "
             "exact, at the cost of a forward and backward of the unit per sample; smaller units "
@@ -623,7 +628,7 @@ def _kept_outputs(call: Call, leaves: list[int], alone: list[Tensor]) -> list[Te
     return [tensor for tensor, _ in kept]
 
 
-def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor],
+def _outputs_agree(who: str, batched: list[Tensor], alone: list[Tensor],
                    dims: list[int], looped: bool) -> None:
     """Refuse a unit whose samples, re-run alone (``looped``: one at a time, else under
     ``vmap``), give other outputs than the batch did: its forward depends on the batch (a
@@ -647,7 +652,7 @@ def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor]
                 continue
         how = "one at a time (vmap cannot batch it)" if looped else "under torch.func.vmap"
         raise PerSampleHooksError(
-            f"{type(module).__name__}, a unit of the torch.func fallback, gives sample {b} "
+            f"{who}, a unit of the torch.func fallback, gives sample {b} "
             f"another output {j} when re-run alone, {how}, than in the batch ({off}): its "
             "forward depends on the batch (a statistic over the batch, as `y - y.mean(0)`; "
             "a branch on a value over the batch, as `if x.sum() > 0`; a capacity limit per "
@@ -657,18 +662,18 @@ def _outputs_agree(module: nn.Module, batched: list[Tensor], alone: list[Tensor]
             "model.eval() for the step")
 
 
-def _unbatchable(module: nn.Module, recurrent: dict[str, nn.Module], error: Exception
+def _unbatchable(who: str, recurrent: dict[str, nn.Module], error: Exception
                  ) -> PerSampleHooksError:
     """The refusal of a unit that neither ``vmap`` nor a loop over samples could re-run."""
     if recurrent:
         layers = ", ".join(f"'{n}' ({type(m).__name__})" for n, m in recurrent.items())
         return PerSampleHooksError(
-            f"{type(module).__name__}, a unit of the torch.func fallback with recurrent "
+            f"{who}, a unit of the torch.func fallback with recurrent "
             f"layers {layers}, could not be re-run per sample ({error}). Let the recurrent "
             "layers have their own rule (exact, packed sequences included, and faster): "
             "do not make the module that calls them a unit (units=), or move them out of it")
     return PerSampleHooksError(
-        f"{type(module).__name__}, a unit of the torch.func fallback, could not be re-run per "
+        f"{who}, a unit of the torch.func fallback, could not be re-run per "
         f"sample, under torch.func.vmap nor one sample at a time ({type(error).__name__}: "
         f"{error}). Make smaller modules units (units=), or give the values its forward needs "
         "from outside (e.g. an attention mask built before the call)" + (
