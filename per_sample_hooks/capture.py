@@ -620,6 +620,9 @@ class StepStatus:
     # (module, parameter): the first call of a module with a plain tensor in place of one of
     # its parameters (``torch.func.functional_call`` with other tensors, fast weights)
     substituted: tuple[str, str] | None = None
+    # (module, rows, batch): the first module called on a view of a model's input with fewer of
+    # its rows than the batch (``inp(x[:bt, t])``: a loop over length-sorted sequences)
+    row_subset: tuple[str, int, int] | None = None
     # the first module whose output of size 1 was expanded over the batch in this step
     expanded: str | None = None
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
@@ -766,15 +769,20 @@ class HookState:
         args, kwargs = detach_arguments(args, kwargs)
         call = Call(args, kwargs, len(leaves), batch_dim, module.training, compiling, name)
         call.recomputed = in_backward
+        subset = None  # (rows, batch) of a view of a model input with some of its rows
         if not compiling:
             first = given_args[0] if given_args else None
             if _may_be_a_model_tensor(first, batch_dim) and id(first) not in self.model_input_ids:
                 call.shared_input = self._model_tensor(first)
-            if status.batch_moved is None and isinstance(first, Tensor) and \
-                    first._base is not None and id(first._base) in self.model_input_ids:
+            if isinstance(first, Tensor) and first._base is not None and \
+                    id(first._base) in self.model_input_ids:
                 moved_to = _batch_moved(first, batch_dim, self.model_batch_dim)
-                if moved_to is not None:
+                if moved_to is not None and status.batch_moved is None:
                     status.batch_moved = (name, batch_dim, moved_to)
+                subset = None if moved_to is not None else \
+                    _row_subset(first, batch_dim, self.model_batch_dim)
+                if subset is not None and status.row_subset is None:
+                    status.row_subset = (name, *subset)
             recurse = owner in self.units
             if status.substituted is None:
                 status.substituted = _substituted(owner, name, recurse)
@@ -804,7 +812,9 @@ class HookState:
                 # too, and the model's code may rely on its size 1 (DeBERTa repeats it by B):
                 # left as it is, refused by compute_*
                 status.shared_computation = status.shared_computation or name
-            elif own_batch in (1, status.batch) and not carries_gradient:
+            elif own_batch in (1, status.batch) and not carries_gradient and subset is None:
+                # (not rows of the batch's input, `x[:1]`: expanded, they would change the
+                # forward; refused by compute_*)
                 # (called with the batch, an output of size 1 all the same: positions from their
                 # ids [1, T] alone, BART's decoder `embed_positions(input_ids, position_ids=)`)
                 expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
@@ -1040,6 +1050,17 @@ def _batch_moved(view: Tensor, batch_dim: int, model_batch_dim: int) -> int | No
         return None
     return next((k for k in range(view.dim())
                  if view.shape[k] == samples and view.stride(k) == stride), None)
+
+
+def _row_subset(view: Tensor, batch_dim: int, model_batch_dim: int) -> tuple[int, int] | None:
+    """``(rows, batch)`` where ``view``, a view of a model's input, holds fewer rows at
+    ``batch_dim`` than that input's batch (``x[:bt, t]``); None where it holds them all."""
+    base = view._base
+    if base.dim() <= model_batch_dim or view.dim() <= batch_dim:
+        return None
+    rows, batch = view.shape[batch_dim], base.shape[model_batch_dim]
+    same_stride = view.stride(batch_dim) == base.stride(model_batch_dim)
+    return (rows, batch) if rows < batch and (same_stride or rows == 1) else None
 
 
 def _may_be_a_model_tensor(t: object, batch_dim: int) -> bool:

@@ -255,6 +255,15 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         raise _no_gradient_captured(state, caller)
     if len(sizes) > 1:
         seen = ", ".join(f"{size} (at '{names[0]}')" for size, names in sizes.items())
+        if status.row_subset is not None:
+            module, rows, batch = status.row_subset
+            raise PerSampleHooksError(
+                f"{caller}: captured calls disagree on the batch size: {seen}. '{module}' was "
+                f"called on {rows} of the {batch} rows of the model's input (`x[:bt]`: a loop "
+                "over sequences sorted by length that runs the unfinished ones only): each "
+                "hooked module must see every sample in each call. Run all rows at every step "
+                "and keep the finished ones' state, `h = torch.where(active[:, None], new_h, h)`"
+                ", with their losses masked")
         shared = status.shared_computation
         if shared is not None:
             raise PerSampleHooksError(

@@ -344,3 +344,62 @@ def test_slices_of_an_expanded_output_keep_or_pick_the_batch(index, dtype):
     expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 4)
     for name, grads in expected.items():
         torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
+
+
+class LengthSortedLoop(nn.Module):
+    """An Elman loop over sequences sorted by length, step ``t`` run on the first ``bt`` rows
+    (the unfinished ones: seq2seq and captioning tutorials), or (``masked``) on all rows with
+    the finished ones' state kept."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.masked = masked
+        self.inp, self.rec, self.head = nn.Linear(3, 4), nn.Linear(4, 4, bias=False), \
+            nn.Linear(4, 1)
+
+    def forward(self, x, lengths):
+        h, losses = x.new_zeros(x.shape[0], 4), x.new_zeros(x.shape[0])
+        for t in range(int(lengths.max())):
+            rows = int((lengths > t).sum())
+            if self.masked:
+                active = lengths > t
+                h = torch.where(active[:, None], torch.tanh(self.inp(x[:, t]) + self.rec(h)), h)
+                losses = losses + torch.where(active, self.head(h).squeeze(1).square(), 0.0)
+            else:
+                h = torch.tanh(self.inp(x[:rows, t]) + self.rec(h[:rows]))
+                losses = losses + nn.functional.pad(self.head(h).squeeze(1).square(),
+                                                    (0, x.shape[0] - rows))
+        return losses
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_loop_over_fewer_rows_than_the_batch_leaves_the_forward_alone_and_is_refused(dtype):
+    """At the step with one unfinished row, ``inp(x[:1, t])`` has batch 1 and no gradient: it
+    was taken for an output shared by the samples and expanded over the batch, which changed
+    the model's loss and p.grad with no error. A view of the model's input with fewer rows is
+    not expanded: loss and p.grad are those without hooks, and compute_* refuses, naming the
+    layer and the masked loop; the masked loop is exact."""
+    torch.manual_seed(0)
+    x, lengths = torch.randn(5, 6, 3, dtype=dtype), torch.tensor([6, 5, 4, 2, 1])
+    model = LengthSortedLoop(masked=False).to(dtype)
+    reference = copy.deepcopy(model)
+    plain = reference(x, lengths).mean()
+    plain.backward()
+    with psh.add_hooks(model):
+        loss = model(x, lengths).mean()
+        loss.backward()
+        assert torch.equal(loss, plain)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        with pytest.raises(psh.PerSampleHooksError, match=r"'inp' was called on 4 of the 5 "
+                           r"rows of the model's input .* `h = torch.where\(active"):
+            psh.compute_grad1(model)
+    masked = LengthSortedLoop(masked=True).to(dtype)
+    masked.load_state_dict(model.state_dict())
+    expected = loop_grads(copy.deepcopy(masked).double(), [x.double(), lengths],
+                          lambda out: out, 5)
+    with psh.add_hooks(masked):
+        masked(x, lengths).mean().backward()
+        psh.compute_grad1(masked)
+        for n, p in masked.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
