@@ -604,7 +604,7 @@ def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[
         check_unseen_uses(state, step)
     result = {}
     for name, p, passes in _parameter_passes(step, parameter_names(model, step)):
-        total = full_zeros(p)
+        total = _moment_zeros(p)
         for forms in passes if step.batch_size else []:
             add_squares(total, forms, step.batch_size)
         result[name] = total.mul_(step.scale * step.scale)
@@ -634,7 +634,7 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
     check_unseen_uses(state, step)
     batch, result = step.batch_size, {}
     for name, p, passes in _parameter_passes(step, parameter_names(model, step)):
-        square_mean = full_zeros(p)
+        square_mean = _moment_zeros(p)
         if not passes:  # its modules' outputs did not reach the loss
             result[name] = square_mean
             continue
@@ -644,12 +644,19 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
         mean = torch.empty(p.shape, dtype=p.dtype, device=p.device)
         forms_weighted_sum(mean, forms, torch.full(
             (batch,), step.scale / batch, dtype=p.dtype, device=p.device))
-        variance = square_mean - mean.square()
+        variance = square_mean - mean.to(square_mean.dtype).square()
         if bool((variance < square_mean * CANCELLING).any()):
             per_sample = per_sample_gradients(forms, p.shape, batch)
             variance = per_sample.mul_(step.scale).var(0, unbiased=False)
         result[name] = variance.clamp_(min=0)
     return result
+
+
+def _moment_zeros(p: Tensor) -> Tensor:
+    """Zeros for a second moment of ``p`` (:func:`~.sharded.full_zeros`), in float32 for a
+    float16 ``p``, whose range (6e-8 to 65504) squares leave."""
+    zeros = full_zeros(p)
+    return zeros.float() if zeros.dtype == torch.float16 else zeros
 
 
 @torch.no_grad()
@@ -658,15 +665,14 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     (``g_i`` as in ``grad1``; after :func:`backprop_hess` summed over its passes). From the forms
     (``forms.second_order.add_gram``): one-position outer products ``(A A^T) * (G G^T)``,
     several positions the ghost Gram where cheaper; others materialize one parameter at a
-    time."""
+    time. In float32 for a float16 model (whose range its entries leave)."""
     state, step = _nonempty_step(model, loss_type, "compute_gram")
     check_unseen_uses(state, step)
     total = None
     for _, p, passes in _parameter_passes(step, parameter_names(model, step)):
         for forms in passes:
             if total is None:
-                total = torch.zeros((step.batch_size, step.batch_size), dtype=p.dtype,
-                                    device=p.device)
+                total = _moment_zeros(p).new_zeros(step.batch_size, step.batch_size)
             add_gram(total, forms, p.shape, step.batch_size)
     if total is None:
         return torch.zeros(step.batch_size, step.batch_size)

@@ -24,6 +24,7 @@ from torch import nn
 
 import per_sample_hooks as psh
 from ground_truth import assert_matches_loop, loop_grads, weighted_square
+from per_sample_hooks import norms as norms_module
 
 AUTOCAST_RTOL = 2e-2
 DEVICE_TYPE = torch.get_default_device().type
@@ -178,3 +179,54 @@ def test_a_grad_scaler_scales_per_sample_quantities_by_its_scale(dtype):
     clipped = loop_clipped(grads, total, 0.1, "mean")
     for n, p in model.named_parameters():
         torch.testing.assert_close((before[n] - p.detach()).double(), clipped[n], **tolerance)
+
+
+class HalfRange(nn.Module):
+    """A Linear on raw pixel-scale inputs (``|a|^2`` beyond float16's 65504), one on
+    positions and an embedding: the squares of float16 norms and second moments leave its
+    range where the per-sample gradients do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.pixels, self.tokens = nn.Linear(64, 3), nn.Embedding(10, 3)
+        self.mix = nn.Linear(3, 2)
+
+    def forward(self, x, ids):
+        return self.mix(torch.tanh(self.pixels(x)[:, None] + self.tokens(ids))).sum(1)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0], ids=["underflow", "unit", "overflow"])
+def test_float16_norms_and_second_moments_are_squared_in_float32(scale, monkeypatch):
+    """float16 forms are squared in float32: compute_norms and clip_grads against the float64
+    loop, the Fisher diagonal and the Gram (float32 results) against float16's own grad1
+    squared in float64, within float16's rounding. In float16 the norms were 0 (|g|^2
+    underflows: no clipping) or refused as not finite (|a|^2 overflows), the Fisher diagonal
+    and the Gram NaN or inf."""
+    torch.manual_seed(0)
+    model = HalfRange()
+    x, ids = torch.rand(6, 64) * 255, torch.randint(0, 10, (6, 4))
+    weights = torch.tensor([1.0, -2.0]) * scale
+    expected = loop_grads(model.double(), [x.double(), ids], lambda out: out @ weights.double(),
+                          6)
+    truth = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    model.half()
+    for keep in (0.0, 1e9):  # norms from the forms, from kept per-sample gradients
+        monkeypatch.setattr(norms_module, "KEEP_FRACTION", keep)
+        with psh.add_hooks(model):
+            (model(x.half(), ids).float() @ weights).sum().backward()
+            norms = psh.compute_norms(model, loss_type="sum")
+            fisher = psh.compute_fisher_diag(model, loss_type="sum")
+            gram = psh.compute_gram(model, loss_type="sum")
+            psh.compute_grad1(model, loss_type="sum")
+            grad1 = {n: p.grad1.double() for n, p in model.named_parameters()}
+            clipped = psh.clip_grads(model, float(truth.median()), loss_type="sum")
+        model.zero_grad(set_to_none=True)
+        flat = torch.cat([g.flatten(1) for g in grad1.values()], 1)
+        assert gram.dtype == torch.float32 and all(f.dtype == torch.float32
+                                                   for f in fisher.values())
+        torch.testing.assert_close(norms.double(), truth, rtol=2e-2, atol=0)
+        torch.testing.assert_close(clipped.double(), truth, rtol=2e-2, atol=0)
+        torch.testing.assert_close(gram.double(), flat @ flat.T, rtol=1e-2, atol=0)
+        for n, g in grad1.items():
+            torch.testing.assert_close(fisher[n].double(), g.square().sum(0), rtol=1e-2,
+                                       atol=1e-3 * float(g.square().sum(0).max()))

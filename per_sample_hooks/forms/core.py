@@ -295,14 +295,41 @@ def _disjoint_blocks(forms: Sequence[Form]) -> list[list[Form]] | None:
     return list(groups.values())
 
 
+def _to_float32(form: Form) -> Form:
+    if isinstance(form, Dense):
+        return Dense(form.per_sample.float())
+    if isinstance(form, Rows):
+        return Rows(form.samples, form.rows, form.values.float(), form.num_rows)
+    acts = form.acts
+    if isinstance(acts, Unfolded):
+        build = acts.build
+        acts = Unfolded(lambda start, stop: build(start, stop).float(), acts.features,
+                        acts.elements, acts.project)
+    return Outer(form.grads.float(), None if acts is None else acts.float()
+                 if isinstance(acts, Tensor) else acts, form.block, form.weighted)
+
+
+def widened(forms: Sequence[Form]) -> Sequence[Form]:
+    """``forms`` in float32 where they are float16, whose range (6e-8 to 65504) their squares
+    leave (norms of 0 or inf, second moments of NaN, of a float16 model); else as they are."""
+    first = forms[0] if forms else None
+    like = first.per_sample if isinstance(first, Dense) else first.values \
+        if isinstance(first, Rows) else first.grads if first is not None else None
+    if like is None or like.dtype != torch.float16:
+        return forms
+    return [_to_float32(form) for form in forms]
+
+
 def norms_squared(forms: Sequence[Form], batch: int) -> Tensor:
-    """``[B]``: squared norm of each sample's gradient (the sum of ``forms``, unscaled).
+    """``[B]``: squared norm of each sample's gradient (the sum of ``forms``, unscaled; in
+    float32 for float16 forms: :func:`widened`).
 
     One position: ``|a|^2 |g|^2``; several: the ghost norm or a chunked materialization, by
     cost (:mod:`.ghost`); rows: the values of equal (sample, row) keys summed first; disjoint
     blocks: their norms add up; a mix of kinds (a parameter shared by an Embedding and a
     Linear, tied embeddings): the kinds' norms plus twice their inner products
     (:func:`inner_products`), else materialized once."""
+    forms = widened(forms)
     blocks = _disjoint_blocks(forms)
     if blocks is not None and len(blocks) > 1:
         return sum(norms_squared(group, batch) for group in blocks)

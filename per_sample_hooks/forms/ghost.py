@@ -73,14 +73,20 @@ def chunk_ranges(batch: int, per_sample: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, batch)) for start in range(0, batch, step)]
 
 
+def _norm_dtype(t: Tensor) -> torch.dtype | None:
+    """float32 for float16, whose range (6e-8 to 65504) squares leave."""
+    return torch.float32 if t.dtype == torch.float16 else None
+
+
 def sum_of_squares(t: Tensor) -> Tensor:
     """``[B, ...] -> [B]``."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square_()
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1,
+                                    dtype=_norm_dtype(t)).square_()
 
 
 def _sum_of_squares_last(t: Tensor) -> Tensor:
     """``[..., f] -> [...]``."""
-    return torch.linalg.vector_norm(t, dim=-1).square_()
+    return torch.linalg.vector_norm(t, dim=-1, dtype=_norm_dtype(t)).square_()
 
 
 def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = None) -> Tensor:

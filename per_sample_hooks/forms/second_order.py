@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .core import Dense, Form, Outer, Rows, has_blocks, join, summed_rows, write
+from .core import Dense, Form, Outer, Rows, has_blocks, join, summed_rows, widened, write
 
 GHOST_GRAM_ELEMENTS = 1 << 22
 """Largest ``(B T)^2`` position-pair Gram the ghost Gram forms; beyond it, materialize."""
@@ -44,7 +44,9 @@ def simple_outer(forms: Sequence[Form]) -> Outer | None:
 
 
 def add_squares(out: Tensor, forms: Sequence[Form], batch: int) -> None:
-    """``out += sum_b g_b^2`` (elementwise, ``out`` of the parameter's shape)."""
+    """``out += sum_b g_b^2`` (elementwise, ``out`` of the parameter's shape; squared in
+    float32 for float16 forms)."""
+    forms = widened(forms)
     form = simple_outer(forms)
     if form is not None and form.acts is None:
         out.view(form.grads.shape[1], -1).add_(form.grads.sum(2).square().sum(0))
@@ -53,7 +55,8 @@ def add_squares(out: Tensor, forms: Sequence[Form], batch: int) -> None:
             "bjp,bjd->jpd", form.grads[:, :, 0].square(), form.acts[:, :, 0].square()))
     elif len(forms) == 1 and isinstance(forms[0], Rows):
         keys, values = summed_rows(forms[0])
-        out.view(forms[0].num_rows, -1).index_add_(0, keys % forms[0].num_rows, values.square())
+        out.view(forms[0].num_rows, -1).index_add_(0, keys % forms[0].num_rows,
+                                                   values.square().to(out.dtype))
     elif len(forms) == 1 and isinstance(forms[0], Dense):
         out.add_(forms[0].per_sample.square().sum(0).view(out.shape))
     else:
@@ -63,7 +66,8 @@ def add_squares(out: Tensor, forms: Sequence[Form], batch: int) -> None:
 def add_gram(total: Tensor, forms: Sequence[Form], shape: Sequence[int], batch: int) -> None:
     """``total [B, B] += <g_i, g_j>``: a bias from its summed gradients; one position
     ``(A A^T) * (G G^T)``; several, the ghost Gram over position pairs where cheaper than
-    materializing (one group)."""
+    materializing (one group); in float32 for float16 forms."""
+    forms = widened(forms)
     form = simple_outer(forms)
     if form is not None and form.acts is None:
         summed = form.grads.sum(2).reshape(batch, -1)
