@@ -178,6 +178,7 @@ class Call:
         view.watched = [[passes[index]] if index < len(passes) else []
                         for passes in self.watched]
         view.note, view.hooks, view.outputs = self.note, [], self.outputs
+        view.name = self.name
         return view
 
     def modified_inputs(self) -> list[int]:
