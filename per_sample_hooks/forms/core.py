@@ -296,6 +296,7 @@ def _disjoint_blocks(forms: Sequence[Form]) -> list[list[Form]] | None:
 
 
 def _to_float32(form: Form) -> Form:
+    """``form`` with its tensors (lazily built activations too) in float32."""
     if isinstance(form, Dense):
         return Dense(form.per_sample.float())
     if isinstance(form, Rows):
@@ -305,8 +306,8 @@ def _to_float32(form: Form) -> Form:
         build = acts.build
         acts = Unfolded(lambda start, stop: build(start, stop).float(), acts.features,
                         acts.elements, acts.project)
-    return Outer(form.grads.float(), None if acts is None else acts.float()
-                 if isinstance(acts, Tensor) else acts, form.block, form.weighted)
+    return Outer(form.grads.float(), acts.float() if isinstance(acts, Tensor) else acts,
+                 form.block, form.weighted)
 
 
 def widened(forms: Sequence[Form]) -> Sequence[Form]:
