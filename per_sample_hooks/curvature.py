@@ -647,16 +647,16 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
         variance = square_mean - mean.to(square_mean.dtype).square()
         if bool((variance < square_mean * CANCELLING).any()):
             per_sample = per_sample_gradients(forms, p.shape, batch)
-            variance = per_sample.mul_(step.scale).var(0, unbiased=False)
+            variance = per_sample.to(square_mean.dtype).mul_(step.scale).var(0, unbiased=False)
         result[name] = variance.clamp_(min=0)
     return result
 
 
-def _moment_zeros(p: Tensor) -> Tensor:
-    """Zeros for a second moment of ``p`` (:func:`~.sharded.full_zeros`), in float32 for a
-    float16 ``p``, whose range (6e-8 to 65504) squares leave."""
-    zeros = full_zeros(p)
-    return zeros.float() if zeros.dtype == torch.float16 else zeros
+def _moment_zeros(p: Tensor, shape: Sequence[int] | None = None) -> Tensor:
+    """Zeros of ``p``'s (global) shape, or ``shape``, for a second moment of ``p``: in float32
+    for a float16 ``p``, whose range (6e-8 to 65504) squares leave."""
+    dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+    return torch.zeros(p.shape if shape is None else shape, dtype=dtype, device=p.device)
 
 
 @torch.no_grad()
@@ -672,7 +672,7 @@ def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     for _, p, passes in _parameter_passes(step, parameter_names(model, step)):
         for forms in passes:
             if total is None:
-                total = _moment_zeros(p).new_zeros(step.batch_size, step.batch_size)
+                total = _moment_zeros(p, (step.batch_size, step.batch_size))
             add_gram(total, forms, p.shape, step.batch_size)
     if total is None:
         return torch.zeros(step.batch_size, step.batch_size)

@@ -465,6 +465,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     call, times ``scale``."""
     layout = _lookup_layout(module)(module, call)
     refuse_unbatched_outputs(module, call, layout)
+    who = _who(module, call.name)
     cotangents, out_specs, out_leaves = [], [], []
     for j, passes in enumerate(call.grads):
         if not passes:
@@ -521,7 +522,7 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
         except PerSampleHooksError:
             raise
         except (RuntimeError, ValueError, TypeError, IndexError) as error:
-            raise _unbatchable(_who(module, call.name), recurrent, error) from error
+            raise _unbatchable(who, recurrent, error) from error
 
     # compute_* run under no_grad; the re-run is a differentiation: with grad enabled at the
     # vmap level too (else the CPU float32 LSTM's oneDNN kernel keeps no workspace for its
@@ -542,14 +543,14 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
             with torch.no_grad():
                 batched = _kept_outputs(call, out_leaves, alone) or \
                     outputs(call.args, call.kwargs, trainable)
-                _outputs_agree(_who(module, call.name), batched, alone, out_specs,
+                _outputs_agree(who, batched, alone, out_specs,
                                failure is not None)
     finally:
         for handle in handles:
             handle.remove()
     if failure is not None:
         warnings.warn(
-            f"{_who(module, call.name)}, a unit of the torch.func fallback, is re-run one sample "
+            f"{who}, a unit of the torch.func fallback, is re-run one sample "
             "at a time, since torch.func cannot batch its forward "
             f"({type(failure).__name__}: {str(failure)[:160]}). Its per-sample gradients are "
             "exact, at the cost of a forward and backward of the unit per sample; smaller units "
