@@ -171,6 +171,11 @@ def running_average(old: tuple[Tensor, ...] | None, new: tuple[Tensor, ...], dec
     return old
 
 
+def moved_like(p: Tensor, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """``tensors`` on ``p``'s device in its dtype (the same tensors where they already are)."""
+    return tuple(None if t is None else t.to(p.device, p.dtype) for t in tensors)
+
+
 def check_finite(tensors: tuple[Tensor, ...], what: str) -> None:
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         raise FloatingPointError(
@@ -374,6 +379,7 @@ class KFAC:
             self.update_factors(self.read_factors(self.model))
         self.read_this_step = False
         clear_backprops(self.model)
+        self.follow_parameters()
         self.drop_frozen_bias_columns()
         if self.steps % self.inverse_freq == 0:
             self.update_eigen()
@@ -384,6 +390,18 @@ class KFAC:
         self.steps += 1
         if self.pause_hooks and self.update_freq > 1:
             (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
+
+    def follow_parameters(self) -> None:
+        """The running state on its parameters' device and dtype: the model may have been
+        moved or cast (``model.double()``) since it was computed."""
+        for module, pair in self.factors.items():
+            self.factors[module] = moved_like(module.weight, pair)
+        for module, pair in self.embeddings.items():
+            self.embeddings[module] = moved_like(module.weight, pair)
+        for (module, name), diagonal in self.diagonals.items():
+            self.diagonals[(module, name)] = diagonal.to(module.get_parameter(name))
+        for module, e in self.eigen.items():
+            self.eigen[module] = Eigen(*moved_like(module.weight, (e.q_a, e.l_a, e.q_g, e.l_g)))
 
     def drop_frozen_bias_columns(self) -> None:
         """A bias frozen since the factors were read (on a step that reads none,
@@ -397,6 +415,7 @@ class KFAC:
     def update_factors(self, new: Factors) -> None:
         """Fold ``new`` factors (and diagonals) into the running averages (the first ones are
         taken as is), then update :attr:`left_to_optimizer`."""
+        self.follow_parameters()
         decay = self.factor_decay
         everything = new if isinstance(new, KFACFactors) else KFACFactors(dict(new))
         read = {*everything.kronecker, *everything.embeddings,
@@ -598,7 +617,7 @@ class KFAC:
             setattr(self, name, value)
 
         def like(p: Tensor, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-            return tuple(None if t is None else t.to(p.device, p.dtype).clone() for t in tensors)
+            return tuple(None if t is None else t.clone() for t in moved_like(p, tensors))
         self.factors = {modules[n]: like(modules[n].weight, f)
                         for n, f in state["factors"].items()}
         self.embeddings = {modules[n]: like(modules[n].weight, f)

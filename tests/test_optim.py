@@ -467,6 +467,40 @@ def test_state_dict_round_trip():
     torch.testing.assert_close(flat_grads(model.parameters()), flat_grads(clone.parameters()))
 
 
+@pytest.mark.parametrize("cast", ["double", "float"])
+@pytest.mark.parametrize("inverse_freq", [1, 3])
+def test_a_model_cast_between_steps_steps_as_one_resumed_in_its_new_dtype(cast, inverse_freq):
+    """``model.double()`` (or ``.float()``) between steps: the running state follows the
+    parameters, as a KFAC that loads the state dict saved before the cast (Kronecker factors,
+    an Embedding's, a LayerNorm's diagonal; eigendecompositions kept or redone)."""
+    start = torch.float32 if cast == "double" else torch.float64
+    torch.manual_seed(6)
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Embedding(7, 4), nn.Flatten(), nn.Linear(12, 5), nn.Tanh(),
+                             nn.LayerNorm(5), nn.Linear(5, 3)).to(start)
+    model, clone = net(), net()
+    clone.load_state_dict(model.state_dict())
+    precond = KFAC(model, damping=0.1, inverse_freq=inverse_freq)
+    batches = [(torch.randint(0, 7, (8, 3)), torch.randint(0, 3, (8,))) for _ in range(3)]
+    for x, y in batches[:2]:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+    other = KFAC(clone, damping=0.1, inverse_freq=inverse_freq)
+    clone.load_state_dict(model.state_dict())
+    getattr(clone, cast)()
+    other.load_state_dict(precond.state_dict())
+    getattr(model, cast)()
+    for net_, p in ((model, precond), (clone, other)):
+        net_.zero_grad()
+        F.cross_entropy(net_(batches[2][0]), batches[2][1]).backward()
+        p.step()
+    assert {q.grad.dtype for q in model.parameters()} == {getattr(torch, cast)}
+    torch.testing.assert_close(flat_grads(model.parameters()), flat_grads(clone.parameters()),
+                               rtol=0, atol=0)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="factor_decay"):
         KFAC(nn.Linear(2, 2), factor_decay=1.0)
