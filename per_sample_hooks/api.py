@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 
-import torch
 from torch import Tensor, nn
 
 from .capture import (
@@ -32,6 +31,7 @@ from .step import (
     LossType,
     check_compares,
     check_unseen_uses,
+    no_grad_outside_autocast,
     owned_parameters,
     prepare_step,
     trainable_parameters,
@@ -358,7 +358,7 @@ def clear_backprops(model: nn.Module) -> None:
 
 
 @with_full_values
-@torch.no_grad()
+@no_grad_outside_autocast
 def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     """Set ``p.grad1`` (``[B, *p.shape]``) on every trainable parameter of hooked modules.
 

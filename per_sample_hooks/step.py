@@ -8,10 +8,11 @@ unseen-use check of :mod:`per_sample_hooks.unseen` on the steps its schedule che
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,33 @@ from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
 from .unseen import N_PROBES, HookedSums, holder_of
 
 LossType = Literal["mean", "sum"]
+Verb = TypeVar("Verb", bound=Callable)
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else \
+            device_type == "cuda" and torch.is_autocast_enabled()
+
+
+def no_grad_outside_autocast(verb: Verb) -> Verb:
+    """Decorator of a ``compute_*`` function: runs it under ``torch.no_grad()``, with
+    ``torch.autocast`` off where this thread has it on (a call inside ``with
+    torch.autocast(...)``): the library's math runs in the parameters' dtype, as after the
+    block, not in autocast's lower one (where the recurrent rules' re-run met float32 buffers
+    and crashed). What is formed during a backward run inside it goes to float32 buffers with
+    ``out=``, which autocast leaves alone."""
+    @functools.wraps(verb)
+    def call(*args, **kwargs):
+        with torch.no_grad(), contextlib.ExitStack() as autocast_off:
+            for device_type in AUTOCAST_DEVICE_TYPES:
+                if _autocast_on(device_type):
+                    autocast_off.enter_context(torch.autocast(device_type, enabled=False))
+            return verb(*args, **kwargs)
+    return call
 
 
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
