@@ -51,7 +51,7 @@ class Call:
     ``outputs``: for a rule that compares a re-run of the forward with it
     (:attr:`Rule.keeps_outputs <per_sample_hooks.rules.base.Rule>`), the call's output leaves,
     detached, each with its version at the forward (None for a leaf that is not a tensor);
-    None for other rules and under ``torch.compile``.
+    None for other rules, under ``torch.compile`` and under ``torch.autocast``.
 
     ``hooks``: weak references to the gradient hooks of the call's outputs (and watched
     tensors). Autograd's graph holds those hooks: once all are gone, so is every graph through
@@ -205,6 +205,20 @@ def summed_passes(passes: list[Tensor]) -> Tensor:
 
 def _isolated(leaf: object) -> object:
     return leaf.clone() if isinstance(leaf, Tensor) and leaf.requires_grad else leaf
+
+
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+
+
+def autocast_device_types() -> list[str]:
+    """The device types for which this thread has ``torch.autocast`` on."""
+    def on(device_type: str) -> bool:
+        try:
+            return torch.is_autocast_enabled(device_type)
+        except TypeError:  # torch < 2.4: no device argument
+            return torch.is_autocast_cpu_enabled() if device_type == "cpu" else \
+                device_type == "cuda" and torch.is_autocast_enabled()
+    return [d for d in AUTOCAST_DEVICE_TYPES if on(d)]
 
 
 def _in_backward() -> bool:
@@ -823,7 +837,8 @@ class HookState:
                 expanded = not compiling
                 leaves = (output,)
                 call.args, call.kwargs = map_tensors(expand, (args, kwargs))
-        if rule.keeps_outputs and not compiling:
+        if rule.keeps_outputs and not compiling and not autocast_device_types():
+            # (under autocast they are not what a re-run outside it gives, in other rounding)
             call.outputs = [(t.detach(), t._version) if isinstance(t, Tensor) else None
                             for t in leaves]
         hooks = []

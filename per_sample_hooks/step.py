@@ -21,6 +21,7 @@ from .capture import (
     STATE_ATTRIBUTE,
     Call,
     HookState,
+    autocast_device_types,
     broadcast_misuse_error,
     get_state,
     unwrap,
@@ -38,15 +39,6 @@ from .unseen import N_PROBES, HookedSums, holder_of
 
 LossType = Literal["mean", "sum"]
 Verb = TypeVar("Verb", bound=Callable)
-AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
-
-
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4: no device argument
-        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else \
-            device_type == "cuda" and torch.is_autocast_enabled()
 
 
 def no_grad_outside_autocast(verb: Verb) -> Verb:
@@ -59,9 +51,8 @@ def no_grad_outside_autocast(verb: Verb) -> Verb:
     @functools.wraps(verb)
     def call(*args, **kwargs):
         with torch.no_grad(), contextlib.ExitStack() as autocast_off:
-            for device_type in AUTOCAST_DEVICE_TYPES:
-                if _autocast_on(device_type):
-                    autocast_off.enter_context(torch.autocast(device_type, enabled=False))
+            for device_type in autocast_device_types():
+                autocast_off.enter_context(torch.autocast(device_type, enabled=False))
             return verb(*args, **kwargs)
     return call
 

@@ -223,6 +223,50 @@ def test_verbs_inside_autocast_as_after_it(index):
     torch.testing.assert_close(inside, after, rtol=0, atol=0)
 
 
+class Residual(nn.Module):
+    """``x + f(x)``: its output stays float32 under autocast, f's rounded in bfloat16;
+    ``centered``: minus the batch's mean (a forward that depends on the batch)."""
+
+    def __init__(self, centered: bool = False):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 6)
+        self.centered = centered
+
+    def forward(self, x):
+        y = x + self.b(torch.relu(self.norm(self.a(x))))
+        return y - y.mean(0) if self.centered else y
+
+
+def test_a_unit_whose_output_stays_float32_under_autocast():
+    """A unit of the torch.func fallback run under bfloat16 autocast is compared with its
+    re-run by a re-run of the batch (outside autocast, as the samples'), not by the forward's
+    output, which rounding in bfloat16 put 1e-3 away (refused as depending on the batch
+    before): accepted within the autocast tolerance, and a unit that does depend on the batch
+    still refused."""
+    torch.manual_seed(5)
+    model = nn.Sequential(Residual(), nn.Linear(6, 3))
+    x = torch.randn(7, 6)
+    expected = loop_grads(model, [x], weighted_square, len(x))
+    with psh.add_hooks(model, units=[model[0]]):
+        with torch.autocast(DEVICE_TYPE, torch.bfloat16):
+            out = model(x)
+        weighted_square(out.float()).mean().backward()
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    with torch.autocast(DEVICE_TYPE, torch.bfloat16):
+        autocast_loop = loop_grads(model, [x], lambda out: weighted_square(out.float()), len(x))
+    assert_within_precision(got, expected, autocast_loop, AUTOCAST_RTOL, norms)
+
+    model[0].centered = True
+    with psh.add_hooks(model, units=[model[0]]):
+        with torch.autocast(DEVICE_TYPE, torch.bfloat16):
+            out = model(x)
+        weighted_square(out.float()).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match="depends on the batch"):
+            psh.compute_grad1(model)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_grad_scaler_scales_per_sample_quantities_by_its_scale(dtype):
     """``torch.amp.GradScaler`` multiplies the loss by its scale S before the backward, so the
