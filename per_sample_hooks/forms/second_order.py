@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from .core import Dense, Form, Outer, Rows, has_blocks, join, summed_rows, widened, write
@@ -50,9 +49,10 @@ def add_squares(out: Tensor, forms: Sequence[Form], batch: int) -> None:
     form = simple_outer(forms)
     if form is not None and form.acts is None:
         out.view(form.grads.shape[1], -1).add_(form.grads.sum(2).square().sum(0))
-    elif form is not None and form.positions == 1:
-        out.view(form.grads.shape[1], form.grads.shape[3], -1).add_(torch.einsum(
-            "bjp,bjd->jpd", form.grads[:, :, 0].square(), form.acts[:, :, 0].square()))
+    elif form is not None and form.positions == 1:  # [J, p, B] @ [J, B, d], added in place
+        out.view(form.grads.shape[1], form.grads.shape[3], -1).baddbmm_(
+            form.grads[:, :, 0].square().permute(1, 2, 0).to(out.dtype),
+            form.acts[:, :, 0].square().transpose(0, 1).to(out.dtype))
     elif len(forms) == 1 and isinstance(forms[0], Rows):
         keys, values = summed_rows(forms[0])
         out.view(forms[0].num_rows, -1).index_add_(0, keys % forms[0].num_rows,
