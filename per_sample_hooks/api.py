@@ -115,6 +115,11 @@ def _refuse_other_options(model: nn.Module, state: HookState,
             "remove_hooks(model) first, then add_hooks(model, ...) with the new options")
 
 
+def _is_compiled_handle(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper of another (``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
+
 def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = True,
               units: Iterable[nn.Module | str] = (), check_unseen: CheckUnseen = True,
               broadcast: bool = True, registry: RuleRegistry = default_registry) -> HookState:
@@ -190,8 +195,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     an unhooked model (its parameters keep copies of any ``grad1``/``hess`` attributes); call
     ``add_hooks`` on the copy to hook it. The original stays hooked.
     """
-    compiled_handle = type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
-    if compiled_handle and STATE_ATTRIBUTE not in unwrap(model).__dict__:
+    if _is_compiled_handle(model) and STATE_ATTRIBUTE not in unwrap(model).__dict__:
         raise PerSampleHooksError(
             "add_hooks got a torch.compile'd module: code compiled before the hooks existed "
             "would not run them (torch._dynamo does not guard on module hooks). Hook the "
@@ -214,6 +218,16 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             "add_hooks: its compiled code would not run hooks added later (torch._dynamo does "
             "not guard on module hooks), and its layers' per-sample gradients would be missing. "
             "Hook the model first, then compile: add_hooks(model); model.compile()")
+    wrapped = [n for n, m in model.named_modules() if n and _is_compiled_handle(m)]
+    if wrapped:
+        raise PerSampleHooksError(
+            f"add_hooks: {wrapped[0]!r} is a torch.compile'd module (a wrapper): code it "
+            "compiled before add_hooks would not run hooks added later (torch._dynamo does not "
+            "guard on module hooks), and its layers' per-sample gradients would be missing. "
+            f"Hook the model first, then compile the part: set {wrapped[0]!r} back to its "
+            "original (the wrapper's ._orig_mod), call add_hooks(model), then set it to "
+            "torch.compile(original); if it ran compiled already, call torch._dynamo.reset() "
+            "so that it is compiled again")
     dim_of = _batch_dim_lookup(model, batch_dim)
     forced = _resolve_units(model, units)
     modules, rules, unit_modules, owners, followed = {}, {}, set(), {}, []

@@ -103,6 +103,38 @@ def test_add_hooks_on_a_model_with_a_block_compiled_in_place_is_refused():
     assert not any(m._forward_hooks for m in net.modules())
 
 
+@pytest.mark.parametrize("run_before", [False, True])
+def test_add_hooks_on_a_model_with_a_compiled_block_is_refused_and_hooked_first_is_exact(
+        run_before):
+    """A block wrapped by ``torch.compile`` before add_hooks (run or not yet: its code may be
+    compiled without the hooks): refused naming the block and the order that works (before:
+    accepted, then a misleading unseen-use refusal); that order, hooked then the block
+    compiled, gives the loop's per-sample gradients."""
+    torch.manual_seed(0)
+    net = model().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    expected = loop_grads(copy.deepcopy(net), [x], lambda out: out.square().sum(1), 5)
+    original = net[2]
+    net[2] = torch.compile(original, backend=BACKEND)
+    if run_before:
+        net(x)
+    with pytest.raises(psh.PerSampleHooksError, match=r"add_hooks: '2' is a torch.compile'd "
+                       r"module.*set '2' back to its original.*add_hooks\(model\), then set "
+                       r"it to torch.compile\(original\); if it ran compiled already, call "
+                       r"torch._dynamo.reset\(\)"):
+        psh.add_hooks(net)
+    assert not any(m._forward_hooks for m in net.modules())
+    net[2] = original
+    psh.add_hooks(net)
+    if run_before:
+        torch._dynamo.reset()  # its code compiled without the hooks (as the message says)
+    net[2] = torch.compile(original, backend=BACKEND)
+    net(x).square().sum(1).sum().backward()
+    psh.compute_grad1(net, loss_type="sum")
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.grad1, expected[name.replace("_orig_mod.", "")])
+
+
 class Positions(nn.Module):
     """GPT-2's position embeddings: ids ``[1, T]``, the output broadcast over the batch."""
 
