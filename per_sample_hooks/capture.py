@@ -726,6 +726,12 @@ class HookState:
         self.warned_global_hooks = False  # GLOBAL_HOOKS_WARNING given
         # ids of those inputs (a layer called on one is called on the batch, no model tensor)
         self.model_input_ids: set[int] = set()
+        # the most rows (along its batch dim) among the tensor inputs of each of those calls,
+        # and of the latest: 1 is a call with one sample of its own (an RL bootstrap value
+        # V(s_T) after the batch's forward), in which no output of size 1 is broadcast over
+        # the step's batch
+        self.model_call_rows: set[int] = set()
+        self.latest_call_rows: int | None = None
         # ids of the parameters of the hooked modules (a unit's: below it too), kept until a
         # trainable parameter is not among them (step.py)
         self.hooked_parameter_ids: set[int] = set()
@@ -827,9 +833,10 @@ class HookState:
                 # too, and the model's code may rely on its size 1 (DeBERTa repeats it by B):
                 # left as it is, refused by compute_*
                 status.shared_computation = status.shared_computation or name
-            elif own_batch in (1, status.batch) and not carries_gradient and subset is None:
-                # (not rows of the batch's input, `x[:1]`: expanded, they would change the
-                # forward; refused by compute_*)
+            elif own_batch in (1, status.batch) and not carries_gradient and subset is None \
+                    and self.latest_call_rows != 1:
+                # (not rows of the batch's input, `x[:1]`, nor in a call of the model with one
+                # sample: expanded, they would change the forward; refused by compute_*)
                 # (called with the batch, an output of size 1 all the same: positions from their
                 # ids [1, T] alone, BART's decoder `embed_positions(input_ids, position_ids=)`)
                 expand = partial(_to_batch, dim=batch_dim, batch=status.batch)
@@ -967,6 +974,7 @@ class HookState:
     def forget_model_calls(self) -> None:
         """The model's calls noted so far (:class:`ModelCallHook`) belong to no step now."""
         self.model_input_shapes, self.model_input_ids = set(), set()
+        self.model_call_rows, self.latest_call_rows = set(), None
 
     def release_records(self, by: str) -> None:
         """Mark this step's records as dropped by ``by`` (read again: refused, naming it)."""
@@ -1033,6 +1041,11 @@ class ModelCallHook:
             if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
                 state.model_input_shapes = None
         state.model_input_ids.update(map(id, tensors))
+        dim = state.model_batch_dim
+        rows = state.latest_call_rows = max((t.shape[dim] for t in tensors if t.dim() > dim),
+                                            default=None)
+        if rows is not None:
+            state.model_call_rows.add(rows)
         if state.model_input_shapes is not None:
             state.model_input_shapes.update(t.shape for t in tensors)
 

@@ -283,6 +283,17 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                 "hooked module must see every sample in each call. Run all rows at every step "
                 "and keep the finished ones' state, `h = torch.where(active[:, None], new_h, h)`"
                 ", with their losses masked")
+        if len(state.model_call_rows) > 1:
+            counts = " and ".join(map(str, sorted(state.model_call_rows, reverse=True)))
+            raise PerSampleHooksError(
+                f"{caller}: captured calls disagree on the batch size: {seen}. The model was "
+                f"called in this step with {counts} rows (the most along its batch dim among "
+                "each call's inputs): every call of a step must see the step's samples. A "
+                "value the loss does not differentiate (an RL bootstrap value V(s_T), a target) "
+                "goes under torch.no_grad(); a term every sample shares (the loss at an anchor "
+                "or boundary point) has no per-sample gradient: give its points to the batch's "
+                "call, as samples with a loss of their own, or take its gradient in a backward "
+                "of its own, outside the per-sample step")
         shared = status.shared_computation
         if shared is not None:
             raise PerSampleHooksError(

@@ -403,3 +403,48 @@ def test_a_loop_over_fewer_rows_than_the_batch_leaves_the_forward_alone_and_is_r
         psh.compute_grad1(masked)
         for n, p in masked.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("model_class", [BroadcastPositions, SharedQuery])
+def test_a_second_call_of_the_model_with_one_row_is_left_as_is_and_refused(model_class, dtype):
+    """The model called on the batch, then on one input of its own (an RL bootstrap value
+    V(s_T), a PINN's anchor point) before the backward: that call's outputs of size 1 were
+    taken as broadcast over the batch and expanded, so that the model returned B rows and the
+    loss (and p.grad) changed with no error. The call is left as it is (loss and p.grad those
+    without hooks) and compute_* refuses, naming the model's two calls; the second call under
+    torch.no_grad (a bootstrap value the loss does not differentiate) is exact."""
+    torch.manual_seed(0)
+    model = model_class().to(dtype)
+    batch, one = (torch.randint(0, 9, (5, 6)), torch.randint(0, 9, (1, 6))) \
+        if model_class is BroadcastPositions else \
+        (torch.randn(5, 3, 4, dtype=dtype), torch.randn(1, 3, 4, dtype=dtype))
+    reference = copy.deepcopy(model)
+
+    def loss_of(net: nn.Module, anchored: bool = True) -> torch.Tensor:
+        loss = weighted_square(net(batch)).mean()
+        with torch.set_grad_enabled(anchored):  # after the batch's call
+            anchor = net(one).sum()
+        return loss + anchor.square()
+
+    plain = loss_of(reference)
+    plain.backward()
+    expected = loop_grads(copy.deepcopy(model).double(),
+                          [batch.double() if batch.is_floating_point() else batch],
+                          weighted_square, 5)
+    tight = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else {}
+    with psh.add_hooks(model):
+        loss = loss_of(model)
+        loss.backward()
+        torch.testing.assert_close(loss, plain, **tight)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tight)
+        with pytest.raises(psh.PerSampleHooksError, match=r"The model was called in this step "
+                           r"with 5 and 1 rows .* goes under torch.no_grad\(\)"):
+            psh.compute_grad1(model)
+        model.zero_grad()
+        loss_of(model, anchored=False).backward()  # the anchor's value, not differentiated
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():  # (float32: entries of 1e-15 come out 1e-6)
+            torch.testing.assert_close(p.grad1.double(), expected[n], rtol=1e-4,
+                                       atol=1e-11 if dtype == torch.float64 else 1e-5)
