@@ -310,7 +310,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     does its work in one Python frame: it runs for every captured call of every step, and is
     added without a handle (:func:`add_tensor_hook`) unless ``compiling``. A None gradient (what
     a node with several outputs, cuDNN's RNN, gives the hooks of those the loss did not use) is
-    no arrival. A gradient that requires grad (a backward with ``create_graph=True``) is noted
+    no arrival. A gradient that requires grad, or any under grad mode (a backward with
+    ``create_graph=True``; its seed, a constant, does not require grad) is noted
     in ``owner.status.create_graph``. ``copy``: each gradient is kept as a copy (one the
     backward below aliases: :meth:`Rule.aliases_output_gradient
     <per_sample_hooks.rules.base.Rule.aliases_output_gradient>`).
@@ -322,8 +323,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
             return
         sink.append(grad.clone() if copy else grad)
         if owner is not None:
-            if grad.requires_grad:
-                owner.status.create_graph = True
+            if grad.requires_grad or torch.is_grad_enabled():  # (a constant gradient, the
+                owner.status.create_graph = True  # seed's, under create_graph too)
             if not owner.status.backward_seen:
                 owner.status.backward_seen = True
                 for notify in owner.listeners.on_backward:

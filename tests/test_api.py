@@ -814,14 +814,18 @@ def test_refused_step_does_not_poison_the_next(refusal, refused_by, dtype):
         torch.testing.assert_close(got[n].double(), g, **tolerance, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("frozen_body", [False, True])
 @pytest.mark.parametrize("check_unseen", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_gradient_penalty_is_refused_whatever_the_check(check_unseen, dtype):
+def test_a_gradient_penalty_is_refused_whatever_the_check(check_unseen, dtype, frozen_body):
     """A loss with a gradient in it (``create_graph=True``): before, the check reported "a
     gradient term that no hook sees" on the steps it compared, and without it grad1 was off by
-    about 100% of its largest entry, with no error."""
+    about 100% of its largest entry, with no error. ``frozen_body``: only the last Linear is
+    trainable (a linear probe), whose output gradient in the penalty's backward is its seed,
+    a constant that does not require grad: that backward was not noticed, grad1 off by 3x."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+    model[0].requires_grad_(not frozen_body)
     x = torch.randn(4, 3, dtype=dtype, requires_grad=True)
     with psh.add_hooks(model, check_unseen=check_unseen):
         for _ in range(3):  # steps the default check does not compare too
