@@ -31,7 +31,7 @@ from .step import (
     LossType,
     check_compares,
     check_unseen_uses,
-    no_grad_outside_autocast,
+    library_computation,
     owned_parameters,
     prepare_step,
     trainable_parameters,
@@ -372,7 +372,7 @@ def clear_backprops(model: nn.Module) -> None:
 
 
 @with_full_values
-@no_grad_outside_autocast
+@library_computation
 def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     """Set ``p.grad1`` (``[B, *p.shape]``) on every trainable parameter of hooked modules.
 

@@ -258,6 +258,20 @@ def not_recorded() -> Iterator[None]:
         _RE_RUNNING.reset(token)
 
 
+def _grad_mode_outside_transforms() -> bool:
+    """Grad mode outside the ``torch.func`` transforms running now (``grad`` / ``jacrev``
+    turn it on inside): that of the outermost one's caller."""
+    try:
+        from torch._functorch.pyfunctorch import coerce_cinterpreter  # noqa: PLC0415
+        stack = torch._C._functorch.get_interpreter_stack() or ()
+    except (ImportError, AttributeError):  # other torch versions: as it is here
+        return torch.is_grad_enabled()
+    for interpreter in map(coerce_cinterpreter, stack):  # the outermost first
+        if hasattr(interpreter, "prev_grad_mode"):
+            return interpreter.prev_grad_mode()
+    return torch.is_grad_enabled()
+
+
 def _not_recorded_here(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform (or :func:`not_recorded`) is running: calls there (the
     fallback's re-runs of a module's forward, or the user's own transforms) are not steps and
@@ -636,6 +650,9 @@ class StepStatus:
     # (module, parameter): the first call of a module with a plain tensor in place of one of
     # its parameters (``torch.func.functional_call`` with other tensors, fast weights)
     substituted: tuple[str, str] | None = None
+    # the first module called inside the user's torch.func transform (its calls there are not
+    # recorded) with gradients enabled outside it: a loss with derivatives of the model
+    transformed: str | None = None
     # (module, rows, batch): the first module called on a view of a model's input with fewer of
     # its rows than the batch (``inp(x[:bt, t])``: a loop over length-sorted sequences)
     row_subset: tuple[str, int, int] | None = None
@@ -765,7 +782,15 @@ class HookState:
         if module is not owner or not self.enabled or not torch.is_grad_enabled():
             return  # the cheap tests first: this runs on every call of every hooked module
         compiling = torch.compiler.is_compiling()
-        if _not_recorded_here(compiling) or not self.captures(owner):
+        if _not_recorded_here(compiling):
+            if not compiling and not _RE_RUNNING.get() and self.captures(owner) and \
+                    _grad_mode_outside_transforms():
+                if self.status.consumed:  # the step's first call
+                    self._new_step()
+                if self.status.transformed is None:
+                    self.status.transformed = self.modules[owner][0]  # (refused by compute_*)
+            return
+        if not self.captures(owner):
             return
         rule = self.rules[owner]
         if isinstance(output, Tensor):

@@ -134,7 +134,7 @@ from .step import (
     LossType,
     Step,
     check_unseen_uses,
-    no_grad_outside_autocast,
+    library_computation,
     parameter_names,
     prepare_step,
     refusal_ends_step,
@@ -420,7 +420,7 @@ def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str, *,
     return state, step
 
 
-@no_grad_outside_autocast
+@library_computation
 def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
                  unsupported: Unsupported = "raise") -> None:
     """Set ``p.hess`` (``[p.numel(), p.numel()]``, row-major flatten of ``p``) on every
@@ -500,7 +500,7 @@ def _kronecker_structure(rule: Rule) -> Literal["outer", "rows"] | None:
 
 
 @with_full_values
-@no_grad_outside_autocast
+@library_computation
 def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossType = "mean", *,
                  unsupported: KFACUnsupported = "diagonal") -> KFACFactors:
     """Curvature of every trainable parameter of the hooked modules whose output reached the
@@ -590,7 +590,7 @@ def _refusal(layer: LayerWork, rule: Rule, structure: str | None, lost: bool,
             f"{type(layer.module).__name__} ({', '.join(rest)}): {why} {choices}")
 
 
-@no_grad_outside_autocast
+@library_computation
 def compute_fisher_diag(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
     """``{parameter name: sum_i g_i^2}`` (shape of the parameter), ``g_i`` sample i's gradient
     as in ``grad1`` (ordinary backward passes add up into it); after :func:`backprop_hess`
@@ -618,7 +618,7 @@ error is over ``1 / CANCELLING`` times the dtype's: :func:`compute_grad_variance
 passes there."""
 
 
-@no_grad_outside_autocast
+@library_computation
 def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
     """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
     ``Variance``) variance of the per-sample gradients, after one ordinary backward.
@@ -660,7 +660,7 @@ def _moment_zeros(p: Tensor, shape: Sequence[int] | None = None) -> Tensor:
     return torch.zeros(p.shape if shape is None else shape, dtype=dtype, device=p.device)
 
 
-@no_grad_outside_autocast
+@library_computation
 def compute_gram(model: nn.Module, loss_type: LossType = "mean") -> Tensor:
     """``[N, N]``: ``K_ij = <g_i, g_j>`` over every trainable parameter of hooked modules
     (``g_i`` as in ``grad1``; after :func:`backprop_hess` summed over its passes). From the forms

@@ -29,7 +29,7 @@ from .step import (
     Step,
     check_compares,
     check_unseen_uses,
-    no_grad_outside_autocast,
+    library_computation,
     parameter_names,
     prepare_step,
     refusal_ends_step,
@@ -138,7 +138,7 @@ def _check_finite(norms: Tensor, squared: dict[str, Tensor], caller: str) -> Non
 
 
 @with_full_values
-@no_grad_outside_autocast
+@library_computation
 def compute_norms(model: nn.Module, loss_type: LossType = "mean", per_param: bool = False, *,
                   groups: RowGrouping | None = None) -> Tensor | dict[str, Tensor]:
     """After one backward: the L2 norm of each sample's gradient, ``[B]``.
@@ -373,7 +373,7 @@ def clip_grads(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
 
 
 @with_full_values
-@no_grad_outside_autocast
+@library_computation
 def clip_grads_of_rank(model: nn.Module, max_grad_norm: MaxGradNorm | None = None,
                        loss_type: LossType = "mean", *, groups: RowGrouping | None = None,
                        release_records: bool = False, max_norm: float | None = None) -> Tensor:

@@ -98,7 +98,7 @@ from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hoo
 from .capture import STATE_ATTRIBUTE, get_state, unwrap
 from .curvature import KFACFactors, KFACUnsupported, compute_kfac
 from .edges import OutputEdges
-from .step import no_grad_outside_autocast
+from .step import library_computation
 
 Factors = Mapping[nn.Module, tuple[Tensor, Tensor]]
 FactorFn = Callable[[nn.Module], Factors]
@@ -373,7 +373,7 @@ class KFAC:
         clear_backprops(self.model)
         self.read_this_step = True
 
-    @no_grad_outside_autocast
+    @library_computation
     def step(self) -> None:
         """Update factors / eigendecompositions when due, then precondition the gradients."""
         if self.steps % self.update_freq == 0 and not self.read_this_step:

@@ -24,6 +24,7 @@ from .capture import (
     autocast_device_types,
     broadcast_misuse_error,
     get_state,
+    not_recorded,
     unwrap,
 )
 from .errors import PerSampleHooksError
@@ -41,16 +42,17 @@ LossType = Literal["mean", "sum"]
 Verb = TypeVar("Verb", bound=Callable)
 
 
-def no_grad_outside_autocast(verb: Verb) -> Verb:
-    """Decorator of a ``compute_*`` function: runs it under ``torch.no_grad()``, with
-    ``torch.autocast`` off where this thread has it on (a call inside ``with
-    torch.autocast(...)``): the library's math runs in the parameters' dtype, as after the
-    block, not in autocast's lower one (where the recurrent rules' re-run met float32 buffers
-    and crashed). What is formed during a backward run inside it goes to float32 buffers with
-    ``out=``, which autocast leaves alone."""
+def library_computation(verb: Verb) -> Verb:
+    """Decorator of a ``compute_*`` function: runs it under ``torch.no_grad()``, its rules'
+    re-runs of forwards (under ``torch.func`` transforms or not) not recorded
+    (:func:`~.capture.not_recorded`), and ``torch.autocast`` off where this thread has it on
+    (a call inside ``with torch.autocast(...)``): the library's math runs in the parameters'
+    dtype, as after the block, not in autocast's lower one (where the recurrent rules' re-run
+    met float32 buffers and crashed). What is formed during a backward run inside it goes to
+    float32 buffers with ``out=``, which autocast leaves alone."""
     @functools.wraps(verb)
     def call(*args, **kwargs):
-        with torch.no_grad(), contextlib.ExitStack() as autocast_off:
+        with torch.no_grad(), not_recorded(), contextlib.ExitStack() as autocast_off:
             for device_type in autocast_device_types():
                 autocast_off.enter_context(torch.autocast(device_type, enabled=False))
             return verb(*args, **kwargs)
@@ -172,6 +174,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "would be summed as if each were a loss of its own: not supported. Take such "
             "per-sample gradients with torch.func (vmap of grad), or run that backward on an "
             "unhooked copy of the model")
+    if status.transformed is not None:
+        raise PerSampleHooksError(
+            f"{caller}: '{status.transformed}' was called inside a torch.func transform (vmap, "
+            "grad, jacrev, hessian) in this step, with gradients enabled outside it. Calls "
+            "there are not recorded: if the loss uses them (a PINN's residual of derivatives "
+            "of the model, a Jacobian penalty), the per-sample gradients miss their terms, and "
+            "nothing here can tell whether it does. Run such calls under torch.no_grad() when "
+            "the loss does not differentiate them; a loss with derivatives of the model in it "
+            "takes its per-sample gradients with torch.func as a whole (vmap of grad), on an "
+            "unhooked copy of the model")
     if status.forward_after_backward is not None:
         state.end_step()  # this step is lost; the next forward starts a new one
         raise PerSampleHooksError(
@@ -288,12 +300,13 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             raise PerSampleHooksError(
                 f"{caller}: captured calls disagree on the batch size: {seen}. The model was "
                 f"called in this step with {counts} rows (the most along its batch dim among "
-                "each call's inputs): every call of a step must see the step's samples. A "
-                "value the loss does not differentiate (an RL bootstrap value V(s_T), a target) "
-                "goes under torch.no_grad(); a term every sample shares (the loss at an anchor "
-                "or boundary point) has no per-sample gradient: give its points to the batch's "
-                "call, as samples with a loss of their own, or take its gradient in a backward "
-                "of its own, outside the per-sample step")
+                "each call's inputs): every call of a step must see the step's samples. A call "
+                "the loss does not differentiate (an evaluation, an RL bootstrap value V(s_T), "
+                "a target) goes under torch.no_grad() (or clear_backprops(model) after it); a "
+                "term every sample shares (the loss at an anchor or boundary point) has no "
+                "per-sample gradient: give its points to the batch's call, as samples with a "
+                "loss of their own, or take its gradient in a backward of its own, outside the "
+                "per-sample step. (Pass batch_dim to add_hooks if the batch is not dimension 0)")
         shared = status.shared_computation
         if shared is not None:
             raise PerSampleHooksError(
