@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributions import Distribution
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -653,6 +654,9 @@ class StepStatus:
     # the first module called inside the user's torch.func transform (its calls there are not
     # recorded) with gradients enabled outside it: a loss with derivatives of the model
     transformed: str | None = None
+    # (module, type): the first unit, or module whose raw parameters are followed with no
+    # tensor output, that returned a torch.distributions object (its uses are inside it)
+    opaque_output: tuple[str, str] | None = None
     # (module, rows, batch): the first module called on a view of a model's input with fewer of
     # its rows than the batch (``inp(x[:bt, t])``: a loop over length-sorted sequences)
     row_subset: tuple[str, int, int] | None = None
@@ -785,10 +789,9 @@ class HookState:
         if _not_recorded_here(compiling):
             if not compiling and not _RE_RUNNING.get() and self.captures(owner) and \
                     _grad_mode_outside_transforms():
-                if self.status.consumed:  # the step's first call
-                    self._new_step()
-                if self.status.transformed is None:
-                    self.status.transformed = self.modules[owner][0]  # (refused by compute_*)
+                status = self.current_status()
+                if status.transformed is None:
+                    status.transformed = self.modules[owner][0]  # (refused by compute_*)
             return
         if not self.captures(owner):
             return
@@ -799,16 +802,19 @@ class HookState:
             leaves = (output,)
         else:
             leaves, spec = tree_flatten(output)
-            if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
+            tracked = any(isinstance(t, Tensor) and t.requires_grad for t in leaves)
+            if owner in self.units or not tracked and owner in self.watchers:
+                distribution = next((t for t in leaves if isinstance(t, Distribution)), None)
+                if distribution is not None and self.current_status().opaque_output is None:
+                    self.status.opaque_output = (self.modules[owner][0],
+                                                 type(distribution).__name__)
+            if not tracked:
                 return
             if module in self.units or rule.copy_outputs:
                 leaves = [_isolated(t) for t in leaves]
                 output = tree_unflatten(leaves, spec)
         name, batch_dim = self.modules[owner]
-        status = self.status
-        if status.consumed:
-            self._new_step()
-            status = self.status
+        status = self.current_status()
         in_backward = not compiling and _in_backward()
         if status.backward_seen and status.forward_after_backward is None and not in_backward:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
@@ -934,6 +940,12 @@ class HookState:
         """Whether a call of ``module`` beginning now is recorded (:meth:`capturing`,
         :meth:`captures`)."""
         return self.capturing() and self.captures(module)
+
+    def current_status(self) -> StepStatus:
+        """The status of the step a call now belongs to: a new step if the last one is over."""
+        if self.status.consumed:
+            self._new_step()
+        return self.status
 
     def _batch_or_none(self, module: nn.Module, call: Call) -> int | None:
         try:

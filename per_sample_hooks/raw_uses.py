@@ -93,7 +93,8 @@ _ELEMENTWISE_NAMES = ("add", "sub", "subtract", "rsub", "mul", "multiply", "div"
 ELEMENTWISE = _functions(
     *_ELEMENTWISE_NAMES, *(f"{name}_" for name in _ELEMENTWISE_NAMES),
     *(f"__{op}__" for base in ("add", "sub", "mul", "truediv", "div", "pow")
-      for op in (base, f"r{base}", f"i{base}")))
+      for op in (base, f"r{base}", f"i{base}")),
+    "broadcast_tensors")  # (torch.distributions' broadcast_all: Normal(mu, log_std.exp()))
 """Elementwise broadcasting ops: a use site when a derived input meets the batch."""
 
 LINEAR = frozenset({torch.nn.functional.linear})

@@ -184,6 +184,14 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "the loss does not differentiate them; a loss with derivatives of the model in it "
             "takes its per-sample gradients with torch.func as a whole (vmap of grad), on an "
             "unhooked copy of the model")
+    if status.opaque_output is not None:
+        module, kind = status.opaque_output
+        raise PerSampleHooksError(
+            f"{caller}: '{module}' returned a torch.distributions {kind}: the gradients that "
+            "reach its parameters through it (a log_prob in the loss) reach no output of the "
+            "module that the hooks see, so its per-sample gradients cannot be paired with "
+            "them. Return the distribution's parameters as tensors (`return mu, "
+            "log_std.exp().expand_as(mu)`) and build it outside the module, after the call")
     if status.forward_after_backward is not None:
         state.end_step()  # this step is lost; the next forward starts a new one
         raise PerSampleHooksError(

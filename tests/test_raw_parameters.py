@@ -1308,3 +1308,65 @@ def test_a_raw_parameter_mixed_in_by_a_mask_of_the_batchs_rows(dtype):
     expected = loop_grads(copy.deepcopy(model).double(), [y], weighted_square, 6)
     for name, grads in expected.items():
         torch.testing.assert_close(got[name], grads, **loop_tolerance(dtype))
+
+
+class GaussianPolicy(nn.Module):
+    """An actor-critic with a state-independent ``log_std`` (a raw parameter) and the policy
+    built in its forward, as RL code builds it: ``Normal(mu, log_std.exp())`` (torch's
+    ``broadcast_all``: ``torch.broadcast_tensors``); ``returns``: ``"both"`` (the policy and
+    the value), ``"policy"`` (the policy only)."""
+
+    def __init__(self, returns: str = "both"):
+        super().__init__()
+        self.trunk, self.mu, self.value = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 1)
+        self.log_std = nn.Parameter(torch.linspace(-0.5, 0.5, 2))
+        self.returns = returns
+
+    def forward(self, obs):
+        h = torch.tanh(self.trunk(obs))
+        policy = torch.distributions.Independent(
+            torch.distributions.Normal(self.mu(h), self.log_std.exp()), 1)
+        return policy if self.returns == "policy" else (policy, self.value(h).squeeze(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_policy_built_in_the_forward_from_a_raw_log_std(dtype):
+    """``Normal(mu, log_std.exp())`` broadcasts the scale with ``torch.broadcast_tensors``,
+    followed as an expand (it was refused as an op the path cannot follow): exact against the
+    float64 loop with the value in the loss. A forward that returns the policy alone, or a
+    loss without the value (the policy's gradients reach no output the hooks see), is refused
+    saying so, and a unit returning the policy too."""
+    torch.manual_seed(0)
+    model = GaussianPolicy().to(dtype)
+    obs, act = torch.randn(6, 4, dtype=dtype), torch.randn(6, 2, dtype=dtype)
+    reference = copy.deepcopy(model).double()
+    expected = {n: [] for n, _ in reference.named_parameters()}
+    for i in range(6):
+        policy, value = reference(obs[i:i + 1].double())
+        loss = (-policy.log_prob(act[i:i + 1].double()) + value.square()).sum()
+        for (n, _), g in zip(reference.named_parameters(),
+                             torch.autograd.grad(loss, list(reference.parameters()))):
+            expected[n].append(g)
+    with psh.add_hooks(model):
+        policy, value = model(obs)
+        (-policy.log_prob(act) + value.square()).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), torch.stack(expected[n]),
+                                       **loop_tolerance(dtype))
+        model.zero_grad()
+        policy, _ = model(obs)  # the value not in this loss
+        (-policy.log_prob(act)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'GaussianPolicy' \(GaussianPolicy\): "
+                           r"a use of its raw parameters .* in 1 backward passes, its outputs "
+                           r"in 0.*torch.distributions object it returns"):
+            psh.compute_grad1(model)
+    for returns, units in (("policy", ()), ("both", ("",))):
+        model.returns = returns
+        with psh.add_hooks(model, units=[model] if units else ()):
+            policy = model(obs)
+            policy = policy if returns == "policy" else policy[0]
+            (-policy.log_prob(act)).mean().backward()
+            with pytest.raises(psh.PerSampleHooksError, match=r"compute_grad1: 'GaussianPolicy' "
+                               r"returned a torch.distributions Independent.*build it outside"):
+                psh.compute_grad1(model)

@@ -134,8 +134,13 @@ class RawParameterRule(Rule):
             if any(watched and len(watched) != passes for watched in call.watched):
                 raise PerSampleHooksError(
                     f"'{name}' ({type(module).__name__}): a use of its raw parameters inside "
-                    "its forward received gradients in some backward passes and not in "
-                    "others; the passes cannot be paired. Run one backward per forward")
+                    f"its forward received gradients in {len(max(call.watched, key=len))} "
+                    f"backward passes, its outputs in {passes}: the passes cannot be paired. "
+                    "Either the loss reads a value made in the forward other than through the "
+                    "module's tensor outputs (a torch.distributions object it returns, whose "
+                    "log_prob the loss takes, while an output tensor is not in that loss): "
+                    "return such values as tensors and build the object outside the module; "
+                    "or several backward passes ran: run one backward per forward")
 
     def forms(self, module: nn.Module, calls: Sequence[Call], names: Sequence[str]
               ) -> dict[str, list[Form]]:
