@@ -35,6 +35,7 @@ from .rules import Rule
 from .rules.base import describes_forms, written_grad1
 from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
+from .rules.raw_parameters import OWN_UNIT_ADVICE
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
 from .unseen import N_PROBES, HookedSums, holder_of
 
@@ -320,10 +321,12 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             raise PerSampleHooksError(
                 f"{caller}: captured calls disagree on the batch size: {seen}. '{shared}' was "
                 "called with batch size 1 on an input computed from trainable parameters "
-                "(relative position embeddings, a learned query): that computation is shared "
-                "by the samples, and its per-sample gradients need it run per sample. Make a "
-                "module that contains it and the ops that meet its output with the batch (an "
-                "encoder, a transformer block) one unit of the torch.func fallback: "
+                "(relative position embeddings, a learned query; or one row picked from the "
+                "batch's, the token routed to an expert of a mixture of experts): that "
+                "computation is shared by the samples, or its row is no sample, and its "
+                "per-sample gradients need it run per sample. Make a module that contains it "
+                "and the ops that meet its output with the batch (an encoder, a transformer "
+                "block, the mixture-of-experts block) one unit of the torch.func fallback: "
                 "add_hooks(model, units=[...]); or freeze the parameters it is computed from")
         # the step's batch is its first hooked call's; a first layer that saw merged rows
         # (PointNet's [B * N, F]) leaves the model's own samples to tell
@@ -348,7 +351,9 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "BEiT, Swin, T5), make a module that holds every use of its output (the attention "
             "layer or transformer block that adds it to the batch's; T5 passes it from layer "
             "to layer: each stack, units=['encoder', 'decoder']) one unit of the torch.func "
-            "fallback, add_hooks(model, units=[...])")
+            "fallback, add_hooks(model, units=[...]). A layer called on rows picked from the "
+            "batch's (the experts of a mixture of experts on the tokens routed to them, a "
+            "graph's edges) does not see samples: make the block that picks them one unit")
     batch_size = next(iter(sizes))
     if not grouped:
         _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
@@ -522,7 +527,10 @@ def _with_merged_batch_hint(error: PerSampleHooksError, rule: Rule, module: nn.M
     batch: a unit of the module itself would split its calls by the wrong batch."""
     hint = next(filter(None, (merged_batch_hint([name], rule.batch_size(module, call), batch)
                               for call in calls)), None)
-    return error if hint is None else PerSampleHooksError(f"{error}. {hint}")
+    if hint is None:
+        return error
+    message = str(error).replace(f" {OWN_UNIT_ADVICE.format(name=name)}", "")
+    return PerSampleHooksError(f"{message.rstrip('.')}. {hint}")
 
 
 FORM_RATIO = 2

@@ -619,8 +619,10 @@ def test_mixture_of_experts_blocks_as_units_are_exact(family, implementation, dt
         loss_of(model, batch).backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"'model.layers.0.mlp.\w+' .*"
                            r"called with 21 rows, 7 times the batch of 3.*"
-                           r"units=\['model.layers.0.mlp'\]"):
+                           r"units=\['model.layers.0.mlp'\]") as refusal:
             psh.compute_grad1(model)
+        # not the experts themselves as a unit first (they see the merged rows too)
+        assert "units=['model.layers.0.mlp.experts']" not in str(refusal.value)
     finally:
         psh.remove_hooks(model)
     psh.add_hooks(model, units=MOE_BLOCKS, check_unseen="always")

@@ -92,6 +92,13 @@ def pull_back(module: nn.Module, value: Derived, per_sample: Tensor) -> dict[str
     return grads
 
 
+OWN_UNIT_ADVICE = ("Its per-sample gradients cannot be followed op by op: make it one unit of "
+                   "the torch.func fallback, add_hooks(model, units=['{name}']), or rewrite "
+                   "that use")
+"""The advice of a refusal of a use the path cannot follow: the module itself as a unit (which
+a module called with merged rows cannot be: the step drops it for the unit to make)."""
+
+
 class RawParameterRule(Rule):
     """Per-sample gradients of a module's own raw parameters from its calls' use sites."""
 
@@ -118,10 +125,8 @@ class RawParameterRule(Rule):
                     "make the calling module one unit of the torch.func fallback (its parent: "
                     f"add_hooks(model, units=['{caller}']))")
             if uses.problem is not None:
-                raise PerSampleHooksError(
-                    f"'{name}' ({type(module).__name__}) {uses.problem}. Its per-sample "
-                    "gradients cannot be followed op by op: make it one unit of the torch.func "
-                    f"fallback, add_hooks(model, units=['{name}']), or rewrite that use")
+                raise PerSampleHooksError(f"'{name}' ({type(module).__name__}) {uses.problem}. "
+                                          + OWN_UNIT_ADVICE.format(name=name))
             replayed = [site.value for site in uses.sites
                         if isinstance(site, Site) and not site.value.is_parameter]
             if any(value.modified() for value in replayed):
