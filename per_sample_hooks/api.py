@@ -66,7 +66,8 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
     and its descendants (the deepest entry wins; modules under no entry: 0). The children of
     an ``nn.TransformerEncoderLayer`` / ``DecoderLayer``, and the final ``norm`` of an
     ``nn.TransformerEncoder`` / ``Decoder`` (``nn.Transformer``'s): 1 if the layers are
-    sequence-first, else 0, unless named."""
+    sequence-first, else 0, unless named. A recurrent or attention layer's own: 0 if it is
+    ``batch_first``, else 1, whatever ``batch_dim`` says."""
     names = {m: n for n, m in model.named_modules()}
     table: dict[str, int] = {}
     for key, dim in ({"": batch_dim} if isinstance(batch_dim, int) else batch_dim).items():
@@ -92,6 +93,8 @@ def _batch_dim_lookup(model: nn.Module, batch_dim: BatchDims) -> Callable[[str, 
                              0 if layer.self_attn.batch_first else 1)
 
     def lookup(name: str, module: nn.Module) -> int:
+        if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):  # (their rules read it too)
+            return 0 if module.batch_first else 1
         parts = name.split(".") if name else []
         for end in range(len(parts), -1, -1):
             prefix = ".".join(parts[:end])

@@ -613,3 +613,38 @@ def test_a_layer_given_the_batch_at_another_dim_of_a_view_is_refused(fields, dty
             psh.compute_grad1(model)
     model.fields_first = False
     assert_grad1_matches_loop(model, [ids])
+
+
+class SequenceFirstInside(nn.Module):
+    """A batch-first model whose recurrent or attention layer is sequence-first
+    (``batch_first=False``), given a transposed view of the model's input, ``x.transpose(0, 1)``,
+    as seq-first code does."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.layer = nn.MultiheadAttention(4, 2) if kind == "attention" else \
+            getattr(nn, kind)(4, 5)
+        self.head = nn.Linear(4 if kind == "attention" else 5, 2)
+
+    def forward(self, x):
+        seq = x.transpose(0, 1)  # [T, B, d]
+        out = self.layer(seq, seq, seq)[0] if self.kind == "attention" else self.layer(seq)[0]
+        return self.head(out.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "attention"])
+def test_a_sequence_first_layer_on_a_transposed_view_of_the_input(kind, dtype):
+    """The layer takes its samples at dim 1, where the transpose put them: it was refused as a
+    layer called on the input with its batch dim moved (that check read dim 0 for it, the
+    model's batch dim): exact against the float64 loop."""
+    torch.manual_seed(0)
+    model = SequenceFirstInside(kind).to(dtype)
+    x = torch.randn(5, 3, 4, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
