@@ -803,7 +803,7 @@ class HookState:
         else:
             leaves, spec = tree_flatten(output)
             tracked = any(isinstance(t, Tensor) and t.requires_grad for t in leaves)
-            if owner in self.units or not tracked and owner in self.watchers:
+            if owner in self.units or (not tracked and owner in self.watchers):
                 distribution = next((t for t in leaves if isinstance(t, Distribution)), None)
                 if distribution is not None and self.current_status().opaque_output is None:
                     self.status.opaque_output = (self.modules[owner][0],

@@ -49,8 +49,7 @@ def library_computation(verb: Verb) -> Verb:
     (:func:`~.capture.not_recorded`), and ``torch.autocast`` off where this thread has it on
     (a call inside ``with torch.autocast(...)``): the library's math runs in the parameters'
     dtype, as after the block, not in autocast's lower one (where the recurrent rules' re-run
-    met float32 buffers and crashed). What is formed during a backward run inside it goes to
-    float32 buffers with ``out=``, which autocast leaves alone."""
+    met float32 buffers and crashed)."""
     @functools.wraps(verb)
     def call(*args, **kwargs):
         with torch.no_grad(), not_recorded(), contextlib.ExitStack() as autocast_off:
