@@ -26,6 +26,7 @@ cryptographically secure source of noise; ``secure_rng=True`` draws it from ``os
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -450,13 +451,18 @@ class DPSGD:
             if self.distributed:  # the other ranks' clipped sums still arrive here
                 actual = distributed.reduce_clipped(distributed.trainable_grads(self.model), 0,
                                                     self.loss_type)
-        elif self.distributed:
-            norms, actual = distributed.clip_and_reduce(self.model, self.thresholds,
-                                                        self.loss_type, groups=groups)
         else:
-            norms = clip_grads(self.model, self.thresholds, self.loss_type, groups=groups,
-                               release_records=True)
-            actual = len(norms)
+            try:
+                if self.distributed:
+                    norms, actual = distributed.clip_and_reduce(self.model, self.thresholds,
+                                                                self.loss_type, groups=groups)
+                else:
+                    norms = clip_grads(self.model, self.thresholds, self.loss_type,
+                                       groups=groups, release_records=True)
+                    actual = len(norms)
+            except PerSampleHooksError as error:  # named as the call the user made
+                raise type(error)(re.sub(r"^(distributed\.)?clip_grads:", "DPSGD:",
+                                         str(error))) from error
         if self.adaptive_clipping is not None:
             self._unclipped += int((norms <= self.thresholds.values[0]).sum())
         for p in self._parameters():

@@ -550,9 +550,9 @@ def test_a_refused_piece_keeps_the_earlier_ones_until_discarded(dtype):
         dp.zero_grad()
         model(x[2:4]).pow(2).sum(1).mean().backward()
         model(x[4:6]).pow(2).sum(1).mean().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"ran a forward pass after a backward "
-                           r"pass.*\(The clipped sums of this batch's earlier pieces, 1, stay "
-                           r"accumulated: step again once this piece is fixed, or "
+        with pytest.raises(psh.PerSampleHooksError, match=r"^DPSGD: .* ran a forward pass after a "
+                           r"backward pass.*\(The clipped sums of this batch's earlier pieces, 1, "
+                           r"stay accumulated: step again once this piece is fixed, or "
                            r"dp.discard_batch\(\) to drop them\)"):
             dp.step()
         psh.clear_backprops(model)
