@@ -641,10 +641,4 @@ def test_a_sequence_first_layer_on_a_transposed_view_of_the_input(kind, dtype):
     model's batch dim): exact against the float64 loop."""
     torch.manual_seed(0)
     model = SequenceFirstInside(kind).to(dtype)
-    x = torch.randn(5, 3, 4, dtype=dtype)
-    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
-    with psh.add_hooks(model):
-        weighted_square(model(x)).mean().backward()
-        psh.compute_grad1(model)
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+    assert_grad1_matches_loop(model, [torch.randn(5, 3, 4, dtype=dtype)])
