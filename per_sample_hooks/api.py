@@ -37,6 +37,7 @@ from .step import (
     trainable_parameters,
 )
 from .unseen import CheckUnseen, UnseenUseCheck, check_mode
+from .vision_language import image_tokens
 
 
 def _frozen_parent(module: nn.Module) -> bool:
@@ -300,6 +301,9 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
     state.model_batch_dim = dim_of("", model)
     state.options = dict(batch_dim=batch_dim, fallback=fallback, units=forced,
                          check_unseen=check_unseen, broadcast=broadcast, registry=registry)
+    images = image_tokens(model)
+    if images is not None:
+        state.inspect_model_call = images.imageless_samples
     model_calls = ModelCallHook(state)
     state.handles += [model.register_forward_pre_hook(model_calls, with_kwargs=True),
                       model.register_forward_hook(model_calls.after, always_call=True)]

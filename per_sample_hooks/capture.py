@@ -754,6 +754,10 @@ class HookState:
         # the step's batch
         self.model_call_rows: set[int] = set()
         self.latest_call_rows: int | None = None
+        # what inspect_model_call(args, kwargs) said of those calls, where it said something
+        # (vision_language: samples of a call with images that hold none)
+        self.inspect_model_call: Callable[[tuple, dict], object] | None = None
+        self.model_call_notes: list[object] = []
         # ids of the parameters of the hooked modules (a unit's: below it too), kept until a
         # trainable parameter is not among them (step.py)
         self.hooked_parameter_ids: set[int] = set()
@@ -1013,6 +1017,7 @@ class HookState:
         """The model's calls noted so far (:class:`ModelCallHook`) belong to no step now."""
         self.model_input_shapes, self.model_input_ids = set(), set()
         self.model_call_rows, self.latest_call_rows = set(), None
+        self.model_call_notes = []
 
     def release_records(self, by: str) -> None:
         """Mark this step's records as dropped by ``by`` (read again: refused, naming it)."""
@@ -1084,6 +1089,10 @@ class ModelCallHook:
                                             default=None)
         if rows is not None:
             state.model_call_rows.add(rows)
+        if state.inspect_model_call is not None:
+            note = state.inspect_model_call(args, kwargs)
+            if note is not None:
+                state.model_call_notes.append(note)
         if state.model_input_shapes is not None:
             state.model_input_shapes.update(t.shape for t in tensors)
 

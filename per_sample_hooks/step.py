@@ -38,6 +38,7 @@ from .rules.formed import FormedRule
 from .rules.raw_parameters import OWN_UNIT_ADVICE
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
 from .unseen import N_PROBES, HookedSums, holder_of
+from .vision_language import ImagelessSamples, images_not_per_sample_error
 
 LossType = Literal["mean", "sum"]
 Verb = TypeVar("Verb", bound=Callable)
@@ -226,6 +227,9 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         raise PerSampleHooksError(
             f"{caller}: {status.released_by} dropped this step's captured tensors; run a new "
             "forward and backward (or leave release_records=False to read them again)")
+    for note in state.model_call_notes:
+        if isinstance(note, ImagelessSamples):
+            _refuse_image_side_gradients(state, note, caller)
     layers, rules = [], state.rules
     sizes: dict[int, list[str]] = {}  # the layers that saw each batch size, first seen first
     for module, name, calls in state.hooked_calls():
@@ -367,6 +371,16 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     scale = float(batch_size) if loss_type == "mean" else 1.0
     state.end_step()
     return state, Step(layers, batch_size, scale, status.hess_passes)
+
+
+def _refuse_image_side_gradients(state: HookState, note: ImagelessSamples, caller: str
+                                 ) -> None:
+    """Refuse a step of a vision-language model called with images not one per sample
+    (``note``) in which a layer off its text side received gradients."""
+    for module, name, calls in state.hooked_calls():
+        if module not in note.text_side and any(c.has_grads for c in calls) and \
+                any(p.requires_grad for p in owned_parameters(state, module).values()):
+            raise PerSampleHooksError(images_not_per_sample_error(caller, note, name))
 
 
 def _shared_input_error(caller: str, name: str, module: nn.Module, call: Call

@@ -1,0 +1,129 @@
+"""A vision-language model (tiny random-init LLaVA, called as its docs call it) whose images are
+not one per sample: its vision tower and projector see one row per image, which the hooks would
+take for the samples' rows. With as many images as samples ([2, 0, 1, 1] for 4 samples) the
+shapes show nothing; the image tokens do, and a step in which a layer that sees the images
+received gradients is refused. The text side is exact against the float64 loop whatever the
+images, and so is everything with one image per sample."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import per_sample_hooks as psh
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE = 63  # the image token's id
+IMAGE_TOKENS = 4  # tokens an image becomes (16x16 pixels in 8x8 patches)
+
+
+def llava() -> nn.Module:
+    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2,
+                                           image_size=16, patch_size=8)
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                    num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, pad_token_id=0)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=IMAGE, image_seq_length=IMAGE_TOKENS,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.LlavaForConditionalGeneration(config).eval()
+
+
+def batch(images: list[int], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Samples holding ``images[i]`` images each (their tokens first, then 4 text tokens),
+    padded to the longest."""
+    most = max(images)
+    ids = torch.tensor([[1] + [IMAGE] * IMAGE_TOKENS * k + [5, 6, 7, 8]
+                        + [0] * IMAGE_TOKENS * (most - k) for k in images])
+    pixels = torch.randn(sum(images), 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "pixel_values": pixels.to(dtype)}
+
+
+def sample_losses(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """Each sample's mean next-token loss over its text tokens."""
+    logits = model(**inputs).logits[:, :-1]
+    ids, mask = inputs["input_ids"][:, 1:], inputs["attention_mask"][:, 1:]
+    labels = ids.masked_fill((ids == IMAGE) | (mask == 0), -100)
+    losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    return losses.sum(1) / (labels != -100).sum(1)
+
+
+def loop_grads(model: nn.Module, inputs: dict[str, Tensor], images: list[int]
+               ) -> dict[str, Tensor]:
+    """``{name: [B, *p.shape]}`` in float64, each sample with its own images alone."""
+    model = copy.deepcopy(model).double()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rows, first = [], 0
+    for i, k in enumerate(images):
+        alone = {"input_ids": inputs["input_ids"][i:i + 1],
+                 "attention_mask": inputs["attention_mask"][i:i + 1]}
+        if k:
+            alone["pixel_values"] = inputs["pixel_values"][first:first + k].double()
+        first += k
+        grads = torch.autograd.grad(sample_losses(model, alone).sum(), list(params.values()),
+                                    allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g
+                     for p, g in zip(params.values(), grads)])
+    return {n: torch.stack([row[j] for row in rows]) for j, n in enumerate(params)}
+
+
+def assert_grad1_matches_loop(model: nn.Module, inputs: dict[str, Tensor], images: list[int],
+                              dtype: torch.dtype) -> None:
+    model.zero_grad(set_to_none=True)
+    sample_losses(model, inputs).mean().backward()
+    psh.compute_grad1(model)
+    expected = loop_grads(model, inputs, images)
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float64 else \
+        {"rtol": 2e-4, "atol": 2e-6}  # (Llama's RMSNorm and rotary run in float32)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad1.double(), expected[n], **tolerance,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_image_per_sample_is_exact(dtype) -> None:
+    model = llava().to(dtype)
+    psh.add_hooks(model)
+    assert_grad1_matches_loop(model, batch([1, 1, 1], dtype), [1, 1, 1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("verb", ["compute_grad1", "compute_norms", "clip_grads"])
+def test_as_many_images_as_samples_not_one_each_is_refused(verb, dtype) -> None:
+    """[2, 0, 1, 1] images: the projector's 4 rows are not the 4 samples'. Refused, naming the
+    projector and the empty sample; freezing the image side then gives exact text-side
+    per-sample gradients in the next step."""
+    images = [2, 0, 1, 1]
+    model = llava().to(dtype)
+    model.model.vision_tower.requires_grad_(False)  # LLaVA's first stage: the projector learns
+    inputs = batch(images, dtype)
+    psh.add_hooks(model)
+    sample_losses(model, inputs).mean().backward()
+    call = {"clip_grads": lambda: psh.clip_grads(model, max_grad_norm=1.0)}.get(
+        verb, lambda: getattr(psh, verb)(model))
+    with pytest.raises(psh.PerSampleHooksError,
+                       match=rf"{verb}: .*pixel_values for 4 samples, of which sample 1 holds no "
+                             r"image token.*'model.multi_modal_projector.linear_1'.*freeze"):
+        call()
+    model.model.multi_modal_projector.requires_grad_(False)
+    assert_grad1_matches_loop(model, inputs, images, dtype)
+
+
+def test_images_not_per_sample_with_the_image_side_frozen_are_exact() -> None:
+    """Hooked from the start with the vision tower and projector frozen: nothing refused."""
+    images = [2, 0, 1]
+    model = llava().double()
+    model.model.vision_tower.requires_grad_(False)
+    model.model.multi_modal_projector.requires_grad_(False)
+    psh.add_hooks(model)
+    assert_grad1_matches_loop(model, batch(images, torch.float64), images, torch.float64)
