@@ -249,8 +249,8 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
         try:
             rule.check(module, calls, name)
         except PerSampleHooksError as error:
-            raise _with_merged_batch_hint(error, rule, module, name, calls, status.batch) \
-                from error
+            raise _with_merged_batch_hint(error, rule, module, name, calls, status.batch,
+                                          state.model) from error
         if rule.needs_parameter_values:
             refuse_sharded_values(module, name, rule, caller)
         params, dtype, frozen = _layer_parameters(state, module)
@@ -497,7 +497,7 @@ def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
         return None
     names = list(dict.fromkeys(names))  # a layer called several times, once
     if batch_layers is None:
-        parent = names[0].rpartition(".")[0]
+        parent = _unit_holding(names[0], None, model)
         where = f"its parent {parent!r}, if it is one" if parent else "the model itself"
         units = [parent]
     else:
@@ -519,27 +519,30 @@ def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
         f"add_hooks(model, units={units!r})")
 
 
-def _unit_holding(name: str, batch_layers: Sequence[str], model: nn.Module | None) -> str:
-    """The nearest ancestor of layer ``name`` that holds one of ``batch_layers`` (not a
-    ``ModuleList`` or ``ModuleDict`` of ``model``); ``''``: the model itself."""
+def _unit_holding(name: str, batch_layers: Sequence[str] | None, model: nn.Module | None
+                  ) -> str:
+    """The nearest ancestor of layer ``name`` that holds one of ``batch_layers`` (None: any)
+    and is not a ``ModuleList`` or ``ModuleDict`` of ``model``; ``''``: the model itself."""
     path = name
     while path:
         path = path.rpartition(".")[0]
         if model is not None and path and \
                 isinstance(model.get_submodule(path), (nn.ModuleList, nn.ModuleDict)):
             continue
-        if any(layer.startswith(f"{path}.") for layer in batch_layers if path):
+        if path and (batch_layers is None or
+                     any(layer.startswith(f"{path}.") for layer in batch_layers)):
             return path
     return ""
 
 
 def _with_merged_batch_hint(error: PerSampleHooksError, rule: Rule, module: nn.Module,
-                            name: str, calls: Sequence[Call], batch: int | None
-                            ) -> PerSampleHooksError:
+                            name: str, calls: Sequence[Call], batch: int | None,
+                            model: nn.Module | None) -> PerSampleHooksError:
     """A rule's refusal, with :func:`merged_batch_hint` if the module saw a multiple of the
     batch: a unit of the module itself would split its calls by the wrong batch."""
-    hint = next(filter(None, (merged_batch_hint([name], rule.batch_size(module, call), batch)
-                              for call in calls)), None)
+    hint = next(filter(None, (
+        merged_batch_hint([name], rule.batch_size(module, call), batch, model=model)
+        for call in calls)), None)
     if hint is None:
         return error
     message = str(error).replace(f" {OWN_UNIT_ADVICE.format(name=name)}", "")

@@ -1370,3 +1370,46 @@ def test_a_policy_built_in_the_forward_from_a_raw_log_std(dtype):
             with pytest.raises(psh.PerSampleHooksError, match=r"compute_grad1: 'GaussianPolicy' "
                                r"returned a torch.distributions Independent.*build it outside"):
                 psh.compute_grad1(model)
+
+
+class OuterWithRaw(nn.Module):
+    """A raw parameter in ``torch.outer`` with the rows (not followed), called on merged rows
+    ``[B * T, 4]`` from a ``ModuleList``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.lin = nn.Parameter(torch.randn(4)), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + torch.outer(x.sum(1), self.w)
+
+
+class MergesPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.layers = nn.Linear(4, 4), nn.ModuleList([OuterWithRaw()])
+
+    def forward(self, x):
+        x = self.inp(x)
+        batch, positions, features = x.shape
+        x = x.reshape(batch * positions, features)
+        for layer in self.layers:
+            x = layer(x)
+        return x.reshape(batch, positions, features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merged_rows_refusal_names_no_module_list_as_the_unit(dtype):
+    """The refusal of a use on merged rows advised units=['layers'], a ModuleList (which has no
+    forward to re-run): it names the nearest module that is called, here the model, which is
+    exact as the unit."""
+    torch.manual_seed(0)
+    model, x = MergesPositions().to(dtype), torch.randn(3, 5, 4, dtype=dtype)
+    with psh.add_hooks(model):
+        weighted_square(model(x)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError,
+                           match=r"'layers.0' saw a multiple of the batch 3.*the model itself, "
+                                 r"add_hooks\(model, units=\[''\]\)$"):
+            psh.compute_grad1(model)
+    model.zero_grad(set_to_none=True)
+    assert_matches_loop(model, [x], weighted_square, units=[""])
