@@ -31,6 +31,7 @@ from .step import (
     LossType,
     check_compares,
     check_unseen_uses,
+    complex_parameter_error,
     library_computation,
     owned_parameters,
     prepare_step,
@@ -232,6 +233,11 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             "original (the wrapper's ._orig_mod), call add_hooks(model), then set it to "
             "torch.compile(original); if it ran compiled already, call torch._dynamo.reset() "
             "so that it is compiled again")
+    complex_parameter = next(((n, p) for n, p in model.named_parameters() if p.is_complex()),
+                             None)
+    if complex_parameter is not None:
+        name, p = complex_parameter
+        raise PerSampleHooksError(f"add_hooks: {complex_parameter_error(repr(name), p.dtype)}")
     dim_of = _batch_dim_lookup(model, batch_dim)
     forced = _resolve_units(model, units)
     modules, rules, unit_modules, owners, followed = {}, {}, set(), {}, []

@@ -122,13 +122,13 @@ from .capture import (
 )
 from .edges import OutputEdges
 from .errors import PerSampleHooksError, UnsupportedModuleError
-from .forms import Form, Outer
+from .forms import Form, Outer, moment_dtype
 from .forms.core import weighted_sum as forms_weighted_sum
 from .forms.kronecker import Approx, check_approx, row_factors, weight_factors
 from .forms.second_order import add_gauss_newton, add_gram, add_squares, per_sample_gradients
 from .rules.base import Rule
 from .rules.formed import FormedRule
-from .sharded import full_zeros, several_ranks, with_full_values
+from .sharded import several_ranks, with_full_values
 from .step import (
     LayerWork,
     LossType,
@@ -345,8 +345,9 @@ def _check_unsupported(unsupported: str, caller: str,
 def _squares(layer: LayerWork, names: list[str], batch: int, factor: float, hess_passes: int
              ) -> dict[str, Tensor]:
     """``{name: factor * sum_{passes, i} g_i^2}`` for ``names`` of ``layer`` (``g_i`` as
-    captured), from the forms (``forms.second_order.add_squares``)."""
-    totals = {n: full_zeros(layer.parameters[n]) for n in names}
+    captured), from the forms (``forms.second_order.add_squares``); in float32 for float16
+    parameters (:func:`_moment_zeros`)."""
+    totals = {n: _moment_zeros(layer.parameters[n]) for n in names}
     for forms in _pass_forms(layer, names, hess_passes):
         for name, total in totals.items():
             add_squares(total, forms[name], batch)
@@ -564,7 +565,7 @@ def compute_kfac(model: nn.Module, approx: Approx = "expand", loss_type: LossTyp
             raise UnsupportedModuleError(_refusal(layer, rule, structure, lost, rest))
         else:
             result.diagonal[layer.module] = (
-                {n: full_zeros(layer.parameters[n]) for n in rest} if empty else
+                {n: _moment_zeros(layer.parameters[n]) for n in rest} if empty else
                 _squares(layer, rest, step.batch_size, step.scale, step.hess_passes))
     return result
 
@@ -656,8 +657,8 @@ def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dic
 def _moment_zeros(p: Tensor, shape: Sequence[int] | None = None) -> Tensor:
     """Zeros of ``p``'s (global) shape, or ``shape``, for a second moment of ``p``: in float32
     for a float16 ``p``, whose range (6e-8 to 65504) squares leave."""
-    dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
-    return torch.zeros(p.shape if shape is None else shape, dtype=dtype, device=p.device)
+    return torch.zeros(p.shape if shape is None else shape, dtype=moment_dtype(p.dtype),
+                       device=p.device)
 
 
 @library_computation

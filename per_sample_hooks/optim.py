@@ -98,6 +98,7 @@ from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hoo
 from .capture import STATE_ATTRIBUTE, get_state, unwrap
 from .curvature import KFACFactors, KFACUnsupported, compute_kfac
 from .edges import OutputEdges
+from .forms import moment_dtype
 from .step import library_computation
 
 Factors = Mapping[nn.Module, tuple[Tensor, Tensor]]
@@ -153,7 +154,7 @@ def precondition(m: Tensor, eigen: Eigen, damping: float) -> Tensor:
 
     Equals ``(kron(G, A) + damping I)^{-1} vec(M)`` per group (row-major ``vec``).
     """
-    rotated = eigen.q_g.mT @ m
+    rotated = eigen.q_g.mT @ m.to(eigen.q_g.dtype)  # (a float16 gradient: in float32)
     if eigen.q_a is not None:
         rotated = rotated @ eigen.q_a
     rotated = rotated / (eigen.l_g.unsqueeze(-1) * eigen.l_a.unsqueeze(-2) + damping)
@@ -173,8 +174,10 @@ def running_average(old: tuple[Tensor, ...] | None, new: tuple[Tensor, ...], dec
 
 
 def moved_like(p: Tensor, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-    """``tensors`` on ``p``'s device in its dtype (the same tensors where they already are)."""
-    return tuple(None if t is None else t.to(p.device, p.dtype) for t in tensors)
+    """``tensors`` on ``p``'s device in the dtype of its curvature (its own; float32 for a
+    float16 ``p``: ``forms.moment_dtype``), the same tensors where they already are."""
+    dtype = moment_dtype(p.dtype)
+    return tuple(None if t is None else t.to(p.device, dtype) for t in tensors)
 
 
 def check_finite(tensors: tuple[Tensor, ...], what: str) -> None:
@@ -400,7 +403,8 @@ class KFAC:
         for module, pair in self.embeddings.items():
             self.embeddings[module] = moved_like(module.weight, pair)
         for (module, name), diagonal in self.diagonals.items():
-            self.diagonals[(module, name)] = diagonal.to(module.get_parameter(name))
+            self.diagonals[(module, name)] = moved_like(module.get_parameter(name),
+                                                        (diagonal,))[0]
         for module, e in self.eigen.items():
             self.eigen[module] = Eigen(*moved_like(module.weight, (e.q_a, e.l_a, e.q_g, e.l_g)))
 

@@ -56,12 +56,6 @@ def several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def full_zeros(p: Tensor) -> Tensor:
-    """Zeros of ``p``'s (global) shape, dtype and device: a plain tensor even for a DTensor
-    ``p``, for quantities computed from the captured (full, local-sample) tensors."""
-    return torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-
-
 def mesh_all_reduce(t: Tensor, mesh: object) -> None:
     """In place: ``t`` summed over every rank of the device ``mesh`` (each mesh dimension in
     turn: a 2-D HSDP mesh sums over replicas and shards)."""
@@ -248,5 +242,5 @@ class ShardedGrads:
 
 
 __all__ = ["is_sharded", "sharded_parameters", "several_ranks", "contains_fsdp_unit",
-           "ShardedGrads", "RankAgreement", "ANOTHER_RANK_REFUSED", "full_zeros", "like",
+           "ShardedGrads", "RankAgreement", "ANOTHER_RANK_REFUSED", "like",
            "mesh_all_reduce", "with_full_values", "swap_in_full_values"]

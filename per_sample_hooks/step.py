@@ -118,11 +118,22 @@ def _layer_parameters(state: HookState, module: nn.Module
             continue
         if first:
             dtype, first = (p.dtype if p.is_floating_point() else None), False
+            if p.is_complex():
+                raise PerSampleHooksError(complex_parameter_error(
+                    f"'{state.modules[module][0]}.{n}'", p.dtype))
         if p.requires_grad:
             params[n] = p
         else:
             frozen = True
     return params, dtype, frozen
+
+
+def complex_parameter_error(parameter: str, dtype: torch.dtype) -> str:
+    return (
+        f"parameter {parameter} is {str(dtype).removeprefix('torch.')}: per-sample gradients "
+        "of complex parameters are not supported (the layers' rules do not follow autograd's "
+        "conjugate convention for them). Take them with torch.func (vmap of grad), or give "
+        "the layer real parameters")
 
 
 def reparametrized_since_hooks(state: HookState, module: nn.Module,

@@ -537,8 +537,10 @@ def project(t: Tensor, probe: Probe) -> Tensor:
 
 
 def _norm(t: Tensor) -> Tensor:
-    """In float64: a float32 gradient's entries below about 1e-19 square to 0 in float32."""
-    return torch.linalg.vector_norm(t, dtype=torch.float64)
+    """In float64: a float32 gradient's entries below about 1e-19 square to 0 in float32 (a
+    complex one's, refused by ``compute_*``, as its real and imaginary parts)."""
+    return torch.linalg.vector_norm(torch.view_as_real(t) if t.is_complex() else t,
+                                    dtype=torch.float64)
 
 
 def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call], name: str,

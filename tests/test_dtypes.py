@@ -18,6 +18,7 @@ give bfloat16 results within ``BF16_RTOL`` = 2e-2 of the float64 loop on the sam
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -349,3 +350,79 @@ def test_float16_norms_and_second_moments_are_squared_in_float32(scale, monkeypa
         for n, g in grad1.items():
             torch.testing.assert_close(fisher[n].double(), g.square().sum(0), rtol=1e-2,
                                        atol=1e-3 * float(g.square().sum(0).max()))
+
+
+def test_float16_kfac_factors_and_optimizer_are_in_float32():
+    """compute_kfac of a float16 model (inputs of pixel scale: ``a a^T`` beyond 65504) gave
+    inf factors with no error, and psh.optim.KFAC's first step then blamed divergence. The
+    factors and the curvature diagonals are float32, within float16's rounding of those of
+    the same (float16-valued) weights in float64; KFAC's running state stays float32."""
+    torch.manual_seed(0)
+    x, ids = torch.rand(6, 64) * 255, torch.randint(0, 10, (6, 4))
+    weights = torch.tensor([1.0, -2.0])
+    half = HalfRange()
+    with torch.no_grad():
+        half.pixels.weight.mul_(1e-3)  # its tanh not saturated (float16's is then 1 exactly)
+    half.half()
+    wide = copy.deepcopy(half).double()
+    factors = {}
+    for model, dtype in ((half, torch.float16), (wide, torch.float64)):
+        with psh.add_hooks(model):
+            (model(x.to(dtype), ids).double() @ weights.double()).mean().backward()
+            factors[dtype] = psh.compute_kfac(model)
+            model.zero_grad(set_to_none=True)
+    for pair, expected in zip(factors[torch.float16].values(),
+                              factors[torch.float64].values()):
+        for got, truth in zip(pair, expected):
+            assert got.dtype == torch.float32 and bool(got.isfinite().all())
+            torch.testing.assert_close(got.double(), truth, rtol=1e-2,
+                                       atol=1e-3 * float(truth.abs().max()))
+    # KFAC's step: its running state float32, its direction the float64 preconditioning of
+    # the float16 gradient by those factors (the direction itself is ill-conditioned, rank-6
+    # factors of 65 columns: compared with the float64 model's it differs by float16's rounding
+    # of the gradient outside the inputs' span, divided by the damping alone; a damping of
+    # the factors' scale keeps float32's rounding of the eigenvectors out of that span too)
+    preconditioner = psh.optim.KFAC(half, damping=100.0, kl_clip=None)
+    (half(x.half(), ids).double() @ weights.double()).mean().backward()
+    gradient = torch.cat([half.pixels.weight.grad, half.pixels.bias.grad[:, None]], 1).double()
+    preconditioner.step()
+    assert all(t.dtype == torch.float32 for pair in preconditioner.factors.values() for t in pair)
+    a, g = preconditioner.factors[half.pixels]
+    expected = psh.optim.precondition(gradient[None], psh.optim.eigen_of(a.double(), g.double()),
+                                      100.0)[0]
+    got = torch.cat([half.pixels.weight.grad, half.pixels.bias.grad[:, None]], 1).double()
+    assert bool(got.isfinite().all())
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_parameters_are_refused(dtype):
+    """The layers' rules gave complex per-sample gradients without autograd's conjugate
+    (grad1.mean(0) != p.grad), and the unseen-use check crashed in loss.backward(). Refused by
+    add_hooks; a model cast to complex after add_hooks runs its backward and is refused by
+    compute_*, and once cast back its next step is exact against the float64 loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    with pytest.raises(psh.PerSampleHooksError, match=rf"add_hooks: parameter '0.weight' is "
+                       rf"{str(dtype)[6:]}: per-sample gradients of complex parameters are not "
+                       r"supported.*torch.func"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (complex modules are a new feature of torch)
+            psh.add_hooks(copy.deepcopy(model).to(dtype))
+    x = torch.randn(5, 4)
+    psh.add_hooks(model, check_unseen="always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.to(dtype)
+    model(x.to(dtype)).abs().square().sum(1).mean().backward()
+    with pytest.raises(psh.PerSampleHooksError, match=r"parameter '0.weight' is complex"):
+        psh.compute_norms(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the imaginary parts, zero, are dropped)
+        model.to(torch.float64)
+    model.zero_grad(set_to_none=True)
+    expected = loop_grads(copy.deepcopy(model), [x.double()], weighted_square, 5)
+    weighted_square(model(x.double())).mean().backward()
+    psh.compute_grad1(model)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad1, expected[n], rtol=1e-9, atol=1e-10)

@@ -18,6 +18,7 @@ from .core import (
     contract_samples,
     join,
     materializes,
+    moment_dtype,
     norms_squared,
     one_group,
     project_sum,
@@ -28,5 +29,5 @@ from .core import (
 from .ghost import sum_of_squares
 
 __all__ = ["Dense", "Form", "Outer", "Rows", "Unfolded", "act_chunks", "by_parameter",
-           "contract_samples", "join", "materializes", "norms_squared", "one_group",
+           "contract_samples", "join", "materializes", "moment_dtype", "norms_squared", "one_group",
            "project_sum", "projection_cost", "sum_of_squares", "weighted_sum", "write"]

@@ -310,13 +310,19 @@ def _to_float32(form: Form) -> Form:
                  form.block, form.weighted)
 
 
+def moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of second moments (squares, norms, curvature) of ``dtype`` values: float32 for
+    float16, whose range (6e-8 to 65504) squares leave; else ``dtype``."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def widened(forms: Sequence[Form]) -> Sequence[Form]:
-    """``forms`` in float32 where they are float16, whose range (6e-8 to 65504) their squares
-    leave (norms of 0 or inf, second moments of NaN, of a float16 model); else as they are."""
+    """``forms`` in :func:`moment_dtype` (float32 where they are float16: norms of 0 or inf,
+    second moments of NaN, of a float16 model); else as they are."""
     first = forms[0] if forms else None
     like = first.per_sample if isinstance(first, Dense) else first.values \
         if isinstance(first, Rows) else first.grads if first is not None else None
-    if like is None or like.dtype != torch.float16:
+    if like is None or moment_dtype(like.dtype) == like.dtype:
         return forms
     return [_to_float32(form) for form in forms]
 

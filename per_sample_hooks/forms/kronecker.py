@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .core import Outer, Rows, act_chunks, join
+from .core import Outer, Rows, act_chunks, join, widened
 
 Approx = Literal["expand", "reduce"]
 APPROXIMATIONS = ("expand", "reduce")
@@ -184,7 +184,8 @@ def weight_factors(passes: Sequence[Sequence[Outer]], ones: bool, scale: float, 
     list of forms (one per call) per backward pass: ``A`` from the inputs (a chunk of samples
     at a time when built lazily), ``G`` from every pass's output gradients; ``ones`` appends
     the coordinate of a trainable bias. ``[(Gr,) F, F]``: the group dim only when
-    ``Gr > 1``."""
+    ``Gr > 1``. In float32 for float16 forms (:func:`~.core.widened`)."""
+    passes = [widened(forms) for forms in passes]
     first = join(passes[0])
     chunks = ([acts] for _, acts in act_chunks(first, reduce=False))
     a = input_factor(chunks, first.grads.shape[0], ones, approx, spare)
@@ -207,7 +208,10 @@ def row_factors(passes: Sequence[Sequence[Rows]], batch: int, scale: float, appr
     - reduce: ``a_r = 1/N sum_i (c_ir / n_i)^2`` (the diagonal of the reduce A, whose
       off-diagonal terms of rows met in one sample are dropped),
       ``G = scale * sum_{passes, i} (sum_{i's entries} v)(sum_{i's entries} v)^T``.
+
+    In float32 for float16 forms (:func:`~.core.widened`).
     """
+    passes = [widened(forms) for forms in passes]
     first = join(passes[0])
     values = first.values
     if approx == "expand":
