@@ -240,7 +240,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
         raise PerSampleHooksError(f"add_hooks: {complex_parameter_error(repr(name), p.dtype)}")
     dim_of = _batch_dim_lookup(model, batch_dim)
     forced = _resolve_units(model, units)
-    modules, rules, unit_modules, owners, followed = {}, {}, set(), {}, []
+    modules, rules, unit_modules, followed = {}, {}, set(), []
     inside: set[nn.Module] = set()  # descendants of a unit
     for name, module in model.named_modules():
         if module in inside:
@@ -297,9 +297,6 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             continue
         modules[module] = (label, dim_of(name, module))
         rules[module] = rule
-        prefix = f"{name}." if name else ""
-        for n, p in module.named_parameters(recurse=module in unit_modules):
-            owners.setdefault(p, f"{prefix}{n}")  # frozen ones too: they may be unfrozen
     # followed modules are recorded even when frozen: their code may use a child's weight
     observed = {m for m, rule in rules.items() if rule.observe_without_parameters} | set(followed)
     state = HookState(model, modules, rules, unit_modules, observed,
@@ -321,7 +318,7 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             state.handles += handles
     mode = check_mode(check_unseen)
     if mode is not None:
-        state.unseen = UnseenUseCheck(state, owners, mode)
+        state.unseen = UnseenUseCheck(state, mode)
     model.__dict__[STATE_ATTRIBUTE] = state
     return state
 

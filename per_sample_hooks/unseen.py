@@ -194,6 +194,17 @@ def _average(old: float | None, new: float) -> float:
     return new if old is None else 0.8 * old + 0.2 * new
 
 
+def hooked_parameters(state: HookState) -> dict[nn.Parameter, str]:
+    """Every parameter of the hooked modules (a unit's: below it too; frozen ones too, they may
+    be unfrozen) by qualified name."""
+    owners: dict[nn.Parameter, str] = {}
+    for module, (name, _) in state.modules.items():
+        prefix = "" if module is state.model else f"{name}."
+        for n, p in module.named_parameters(recurse=module in state.units):
+            owners.setdefault(p, f"{prefix}{n}")
+    return owners
+
+
 def captured_structure(state: HookState) -> tuple:
     """Which hooked modules were called this step (in the order of ``state.calls``), how many
     times, and the step's batch size (the first above 1 a call had: a step whose calls
@@ -211,10 +222,8 @@ class UnseenUseCheck:
     nothing revealed nothing about them. Tables are keyed by ``id(parameter)`` (hashing a
     tensor is a Python call)."""
 
-    def __init__(self, state: HookState, owners: Mapping[nn.Parameter, str],
-                 mode: Literal["sampled", "always"] = "sampled", seed: int = 0):
-        self.owners = {id(p): name for p, name in owners.items()}  # -> qualified name
-        self.params = {id(p): p for p in owners}
+    def __init__(self, state: HookState, mode: Literal["sampled", "always"] = "sampled",
+                 seed: int = 0):
         self.schedule = Schedule(mode, seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.decision: bool | None = None  # this step is checked (decided on first ask)
@@ -228,11 +237,9 @@ class UnseenUseCheck:
         self.compared = False
         self.hook_seconds = 0.0  # this checked step's time in the hooks (part of its cost)
         self._state = state
-        self._hooks = [(p, self._total_hook(id(p))) for p in owners]
         # the hooks registered on a checked step
         self._armed: list[tuple[nn.Parameter, RemovableHandle]] = []
-        self._params = [p for p, _ in self._hooks]
-        self._nones = [None] * len(self._params)
+        self._follow_parameters()
         # each parameter's .grad at the step's start (None: not noted) and their versions
         # (None: no .grad)
         self._marks: list[Tensor | None] | None = []
@@ -246,6 +253,29 @@ class UnseenUseCheck:
         state.listeners.on_clear.append(self.reset)
         state.listeners.on_backward.append(self.due)
         self._start()
+
+    def _follow_parameters(self) -> None:
+        """Key the tables by the hooked modules' parameters as they are now
+        (:func:`hooked_parameters`)."""
+        owners = hooked_parameters(self._state)
+        self.owners = {id(p): name for p, name in owners.items()}  # -> qualified name
+        self.params = {id(p): p for p in owners}
+        self.probes.clear()
+        self._hooks = [(p, self._total_hook(id(p))) for p in owners]
+        self._params = [p for p, _ in self._hooks]
+        self._nones = [None] * len(self._params)
+
+    def _parameters_replaced(self) -> bool:
+        """Whether a hooked module holds a parameter the tables do not know (assigned since
+        they were keyed: ``layer.weight = nn.Parameter(...)``, ``load_state_dict(assign=
+        True)``). A dict lookup per parameter, every step (the tables hold the old ones, so
+        no new parameter has an old one's id)."""
+        params, units = self.params, self._state.units
+        for module in self._state.modules:
+            for p in module.parameters() if module in units else module._parameters.values():
+                if p is not None and id(p) not in params:
+                    return True
+        return False
 
     def reset(self) -> None:
         """A new step: nothing decided, compared or armed (runs on every step: a checked
@@ -307,7 +337,11 @@ class UnseenUseCheck:
         drawn at its start, or of a structure not checked yet), and on a checked step arms the
         check (:meth:`_arm`)."""
         if self.decision is None:
-            self.decision = self._sampled or \
+            replaced = self._parameters_replaced()
+            if replaced:  # checked now, its .grads taken as new (none was noted for them)
+                self._follow_parameters()
+                self._marks = None
+            self.decision = replaced or self._sampled or \
                 captured_structure(self._state) not in self.schedule.checked
             if self.decision:
                 self._arm()
