@@ -1139,3 +1139,49 @@ def test_a_units_dropout_is_refused_where_its_forward_calls_it(dtype):
             psh.compute_grad1(model)
     model = AdapterAtInit(called=False).to(dtype).train()
     assert_matches_loop(model, [torch.randn(4, 3)], units=[""], **loop_tolerance(dtype))
+
+
+class ConvertsInForward(nn.Module):
+    """Switch Transformers' router: ``self.sub = self.sub.to(self.dtype)`` in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.sub = nn.Linear(5, 4), nn.Linear(4, 3)
+        self.dtype: torch.dtype | None = None  # (None: the model's)
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        self.sub = self.sub.to(self.dtype or self.pre.weight.dtype)
+        return self.sub(h) * h[:, :3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trainable"])
+def test_a_unit_that_converts_a_child_in_its_forward(frozen, dtype):
+    """Module.to in a unit's forward assigns `param.data = param.to(...)`, which under
+    torch.func gave a frozen parameter (swapped in as a plain tensor) a wrapper's storage-less
+    body: the next read of it was a segmentation fault (compute_grad1, and compute_norms of a
+    tied parameter, on Switch Transformers); a trainable one sent the unit to the loop over
+    samples with a warning. A conversion that changes nothing now does nothing in the re-run:
+    vmapped, exact against the float64 loop; a real one is refused naming the module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvertsInForward(), nn.Linear(3, 2)).to(dtype)
+    model[0].sub.requires_grad_(not frozen)
+    x = torch.randn(6, 5, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 6)
+    truth = torch.cat([g.flatten(1) for g in expected.values()], 1).norm(dim=1)
+    with psh.add_hooks(model, units=["0"]), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no loop over samples)
+        weighted_square(model(x)).mean().backward()
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+        torch.testing.assert_close(norms.double(), truth, **loop_tolerance(dtype))
+        model.zero_grad(set_to_none=True)
+        weighted_square(model(x)).mean().backward()
+        model[0].dtype = torch.float16 if dtype == torch.float32 else torch.float32
+        with pytest.raises(psh.PerSampleHooksError, match=r"Linear: its forward converts its "
+                           r"parameter 'weight'.*Convert the model before the step's forward"):
+            psh.compute_grad1(model)

@@ -407,6 +407,54 @@ def values_kept(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def conversions_checked(module: nn.Module) -> Iterator[None]:
+    """``Module._apply`` (``.to``, ``.float()``, ``.cuda()``, ...) of the unit's modules made a
+    check during its re-runs: a conversion that changes no dtype and no device (Switch
+    Transformers' router runs ``self.classifier = self.classifier.to(self.dtype)`` in each
+    forward) leaves the tensors as they are, any other is refused. torch's ``_apply`` assigns
+    ``param.data = param.to(...)``; under ``torch.func`` that ``to`` gives a transform's
+    wrapper, and a parameter that is not one (a frozen one, swapped in as a plain tensor)
+    takes the wrapper's storage-less body: the next read of it is a segmentation fault
+    (pytorch#184876); one that is a wrapper refuses (``mutating directly with .data``) and
+    sent the unit to the loop over samples."""
+    subs = list(module.modules())
+    saved = [vars(sub).get("_apply") for sub in subs]
+    for sub in subs:
+        vars(sub)["_apply"] = partial(_conversion_in_rerun, sub)
+    try:
+        yield
+    finally:
+        for sub, own in zip(subs, saved):
+            if own is None:
+                vars(sub).pop("_apply", None)
+            else:
+                vars(sub)["_apply"] = own
+
+
+def _conversion_in_rerun(sub: nn.Module, fn: Callable[[Tensor], Tensor], recurse: bool = True
+                         ) -> nn.Module:
+    """``sub._apply(fn)`` inside a re-run (:func:`conversions_checked`): nothing changed where
+    ``fn`` keeps every tensor's dtype and device, else refused."""
+    if recurse:
+        for child in sub.children():
+            child._apply(fn)
+    for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+        for key, value in table.items():
+            if value is None:
+                continue
+            with torch.no_grad():
+                applied = fn(value)
+            if applied.dtype != value.dtype or applied.device != value.device:
+                raise PerSampleHooksError(
+                    f"{type(sub).__name__}: its forward converts its {kind} {key!r} "
+                    f"({value.dtype} on {value.device} to {applied.dtype} on {applied.device}: "
+                    "Module.to, .float(), .cuda(), ...); the torch.func fallback re-runs that "
+                    "forward and cannot convert the module's tensors in place. Convert the "
+                    "model before the step's forward, or give the module a rule")
+    return sub
+
+
+@contextlib.contextmanager
 def without_cudnn(off: bool = True) -> Iterator[None]:
     """cuDNN off (if ``off``), the user's other cuDNN flags kept: for the re-run of a unit with
     recurrent layers, since cuDNN's RNN has no batching rule for ``torch.func.vmap``, takes no
@@ -538,7 +586,8 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     forward = recorded_forward(module, {handle.id for handle in handles})
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), \
-                power_iterations_off(module), values_kept(module):
+                power_iterations_off(module), values_kept(module), \
+                conversions_checked(module):
             alone, grads, failure = vmapped_or_looped()
             with torch.no_grad():
                 batched = _kept_outputs(call, out_leaves, alone) or \
