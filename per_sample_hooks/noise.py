@@ -104,7 +104,8 @@ class GaussianNoise:
     With ``ahead``, :meth:`draw_ahead` starts the next draw on a background thread (CPU
     storage only: CUDA kernels run asynchronously anyway), into the same storage, once the
     caller has consumed the views; :meth:`draw` waits for it. While the shapes stay the same
-    the draws are those without ``ahead`` (a draw made ahead for other shapes is dropped)."""
+    the draws are those without ``ahead``; a draw made ahead for other shapes is dropped, and the
+    generator set back to where it started, so that they stay those without ``ahead``."""
 
     def __init__(self, generator: torch.Generator | None, secure: bool = False,
                  ahead: bool = True):
@@ -119,6 +120,8 @@ class GaussianNoise:
         filled = self._wait()
         views = self.buffers.like(like)
         if filled is not self.buffers.flats:  # none drawn ahead, or for other shapes
+            if filled is not None and self._state_before_ahead is not None:
+                self.generator.set_state(self._state_before_ahead)  # as if never drawn
             self._fill(self.buffers.flats)
         return views
 
