@@ -245,7 +245,7 @@ class UnseenUseCheck:
         self._marks: list[Tensor | None] | None = []
         self._versions: list[int | None] | None = None
         self.noting = True  # the next step's start notes the .grads (see _start)
-        self.grads_left = False  # a step noted had a .grad at its start
+        self.grads_left = False  # a step had a .grad at its start (noted, or found by _arm)
         # keys of gradients found at arming on a step whose start was not noted
         self.taken_unnoted: list[int] = []
         self.changed_early: list[int] = []  # keys of gradients changed in place before arming
@@ -372,8 +372,9 @@ class UnseenUseCheck:
                 continue
             grad = p.grad
             if grad is not None:
-                if marks is None:
+                if marks is None:  # (from now on every step notes: it may be kept again)
                     self.taken_unnoted.append(id(p))
+                    self.grads_left = True
                 if marks is None or marks[i] is not grad:
                     hook(grad)
                 elif grad._version != self._versions[i] and bool(grad.detach().any()):

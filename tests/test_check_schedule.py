@@ -208,6 +208,44 @@ def test_a_new_structure_after_unchecked_steps(zeroing, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_accumulating_micro_batches_after_steps_that_set_gradients_to_none(dtype):
+    """The README's gradient accumulation (compute_* after each micro-batch, .grad accumulated
+    by autograd) in a loop that set the gradients to None on every step so far: its second
+    micro-batch, of a new size, takes the first's .grad as its own and is refused once, as
+    documented. That refusal was repeated on every later step (its start, after a micro-batch
+    of a checked structure, was not noted): a gradient found unnoted now makes every step
+    note its start, and the later steps pass, exact against the float64 loop."""
+    torch.manual_seed(0)
+    model = FunctionalHead(functional=False).to(dtype)
+    x4, x3 = torch.randn(4, 3, dtype=dtype), torch.randn(3, 3, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x3.double()], lambda out: out.pow(2),
+                          len(x3))
+
+    def micro_batch(x):
+        model(x).pow(2).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+
+    with psh.add_hooks(model) as state:
+        state.unseen.schedule.budget = 0.0  # new structures only
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            micro_batch(x4)
+        refused = 0
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            micro_batch(x4)
+            try:
+                micro_batch(x3)
+            except psh.PerSampleHooksError as error:
+                assert "kept from before this step" in str(error)
+                refused += 1
+                continue
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1, expected[name].to(dtype))
+        assert refused == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_loop_that_stops_setting_gradients_to_none_on_a_new_structure(dtype):
     """The one case the unnoted start gets wrong, as documented: a loop that set the gradients
     to None on every step keeps them on a new structure's step after an unchecked one. The
