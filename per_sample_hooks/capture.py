@@ -662,6 +662,8 @@ class StepStatus:
     row_subset: tuple[str, int, int] | None = None
     # the first module whose output of size 1 was expanded over the batch in this step
     expanded: str | None = None
+    # the first module called on a nested (ragged) tensor: not recorded
+    nested: str | None = None
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
     # loss' Hessian square root: the curvature keeps them apart; other passes add up)
     hess_passes: int = 0
@@ -798,6 +800,10 @@ class HookState:
                     status.transformed = self.modules[owner][0]  # (refused by compute_*)
             return
         if not self.captures(owner):
+            return
+        if args and isinstance(args[0], Tensor) and args[0].is_nested:
+            status = self.current_status()  # not recorded: refused by compute_*
+            status.nested = status.nested or self.modules[owner][0]
             return
         rule = self.rules[owner]
         if isinstance(output, Tensor):
@@ -1077,10 +1083,11 @@ class ModelCallHook:
             return
         if state.status.consumed:  # this call starts a step (its first hooked forward will)
             state.forget_model_calls()
-        if not kwargs and all(type(a) is Tensor for a in args):  # the common call, cheaply
-            tensors = args
-        else:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if not kwargs and all(type(a) is Tensor and not a.is_nested for a in args):
+            tensors = args  # the common call, cheaply
+        else:  # (a nested tensor has no size at a dim)
+            tensors = [t for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, Tensor) and not t.is_nested]
             if any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values())):
                 state.model_input_shapes = None
         state.model_input_ids.update(map(id, tensors))

@@ -196,6 +196,13 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "the loss does not differentiate them; a loss with derivatives of the model in it "
             "takes its per-sample gradients with torch.func as a whole (vmap of grad), on an "
             "unhooked copy of the model")
+    if status.nested is not None:
+        state.end_step()  # (no captured gradient marked it as one with a backward)
+        raise PerSampleHooksError(
+            f"{caller}: '{status.nested}' was called on a nested (ragged) tensor: its rows are "
+            "not taken apart by sample here, and its call was not recorded. Pad the batch "
+            "(torch.nested.to_padded_tensor(x, 0.0)) and mask the padding in the loss, or take "
+            "per-sample gradients of nested inputs with torch.func")
     if status.opaque_output is not None:
         module, kind = status.opaque_output
         raise PerSampleHooksError(

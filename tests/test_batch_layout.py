@@ -2,6 +2,7 @@
 rows that are not samples (a multiple-choice head's ``[B * C, T]``, a soft prompt computed once
 and repeated over the batch), each against the float64 per-sample loop."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -642,3 +643,40 @@ def test_a_sequence_first_layer_on_a_transposed_view_of_the_input(kind, dtype):
     torch.manual_seed(0)
     model = SequenceFirstInside(kind).to(dtype)
     assert_grad1_matches_loop(model, [torch.randn(5, 3, 4, dtype=dtype)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_tensors_are_refused_and_padded_ones_exact(layout, dtype):
+    """A hooked layer called on a nested (ragged) tensor crashed the forward (strided: the
+    model's pre-hook read its size) or compute_grad1 (jagged: an AttributeError). Refused,
+    naming the layer and the fix; the next step, padded and masked, is exact against the
+    float64 loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(dtype)  # (nested backward)
+    lengths = [3, 5, 2]
+    sequences = [torch.randn(t, 4, dtype=dtype) for t in lengths]
+    mask = torch.tensor([[1.0] * t + [0.0] * (5 - t) for t in lengths], dtype=dtype)
+
+    def masked_loss(out):  # each sample's, over its own positions
+        return (out.pow(2).sum(-1) * mask).sum(1)
+
+    with psh.add_hooks(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (nested tensors are a prototype of torch)
+            out = model(torch.nested.nested_tensor(sequences, layout=layout))
+        torch.stack([o.pow(2).sum() for o in out.unbind()]).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"compute_grad1: '0' was called on "
+                           r"a nested \(ragged\) tensor.*to_padded_tensor"):
+            psh.compute_grad1(model)
+        padded = torch.nested.to_padded_tensor(torch.nested.nested_tensor(sequences), 0.0)
+        reference = copy.deepcopy(model).double()  # each sample alone, unpadded, in float64
+        rows = [torch.autograd.grad(reference(x[None].double()).pow(2).sum(),
+                                    list(reference.parameters())) for x in sequences]
+        expected = {n: torch.stack([row[k] for row in rows])
+                    for k, (n, _) in enumerate(reference.named_parameters())}
+        model.zero_grad(set_to_none=True)
+        masked_loss(model(padded)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
