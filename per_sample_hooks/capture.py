@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -586,6 +586,22 @@ _live_states: weakref.WeakSet[HookState] = weakref.WeakSet()
 no captured data: each model's records live in its own HookState."""
 
 
+def _note_parameter_registration(module: nn.Module, name: str, param: object) -> None:
+    """torch's global hook on every parameter registration (``module.weight =
+    nn.Parameter(...)``, ``load_state_dict(assign=True)``, a model built): each live state
+    notes that its modules' parameters may have been replaced (a flag: nothing else runs)."""
+    for state in _live_states:
+        state.parameters_registered = True
+
+
+@cache
+def _watch_parameter_registrations() -> None:
+    """Register :func:`_note_parameter_registration` with torch, once per process."""
+    register = getattr(nn.modules.module, "register_module_parameter_registration_hook", None)
+    if register is not None:
+        register(_note_parameter_registration)
+
+
 class Buffers:
     """Storage reused across steps, per ``(module, purpose)``: per-sample buffers, persistent or
     held for one step, and add-ons' scratch tensors (opaque here)."""
@@ -774,6 +790,10 @@ class HookState:
         for module in modules:
             self.handles.append(module.register_forward_hook(  # first: the module's output
                 ForwardHook(self, module), with_kwargs=True, prepend=True))
+        # a parameter was registered somewhere since a consumer cleared this (every step's
+        # look-up of the modules' parameters costs more than the check's budget on small models)
+        self.parameters_registered = False
+        _watch_parameter_registrations()
         _live_states.add(self)
 
     @property

@@ -129,6 +129,7 @@ def _layer_parameters(state: HookState, module: nn.Module
 
 
 def complex_parameter_error(parameter: str, dtype: torch.dtype) -> str:
+    """The refusal of a complex ``parameter`` (by ``add_hooks`` or ``compute_*``)."""
     return (
         f"parameter {parameter} is {str(dtype).removeprefix('torch.')}: per-sample gradients "
         "of complex parameters are not supported (the layers' rules do not follow autograd's "

@@ -268,8 +268,9 @@ class UnseenUseCheck:
     def _parameters_replaced(self) -> bool:
         """Whether a hooked module holds a parameter the tables do not know (assigned since
         they were keyed: ``layer.weight = nn.Parameter(...)``, ``load_state_dict(assign=
-        True)``). A dict lookup per parameter, every step (the tables hold the old ones, so
-        no new parameter has an old one's id)."""
+        True)``). A dict lookup per parameter, on the steps after some parameter was registered
+        (``HookState.parameters_registered``); the tables hold the old ones, so no new
+        parameter has an old one's id."""
         params, units = self.params, self._state.units
         for module in self._state.modules:
             for p in module.parameters() if module in units else module._parameters.values():
@@ -337,7 +338,8 @@ class UnseenUseCheck:
         drawn at its start, or of a structure not checked yet), and on a checked step arms the
         check (:meth:`_arm`)."""
         if self.decision is None:
-            replaced = self._parameters_replaced()
+            replaced = self._state.parameters_registered and self._parameters_replaced()
+            self._state.parameters_registered = False
             if replaced:  # checked now, its .grads taken as new (none was noted for them)
                 self._follow_parameters()
                 self._marks = None
