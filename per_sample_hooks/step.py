@@ -37,7 +37,7 @@ from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
 from .rules.raw_parameters import OWN_UNIT_ADVICE
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
-from .unseen import N_PROBES, HookedSums, holder_of
+from .unseen import N_PROBES, HookedSums, holder_of, hooked_parameters
 from .vision_language import ImagelessSamples, images_not_per_sample_error
 
 LossType = Literal["mean", "sum"]
@@ -489,9 +489,8 @@ def _refuse_unhooked_parameters(state: HookState, caller: str) -> None:
     if model is None or all(id(p) in state.hooked_parameter_ids or not p.requires_grad
                             for p in model.parameters()):
         return
-    state.hooked_parameter_ids = hooked = {  # (a parameter replaced since: looked up again)
-        id(p) for module in state.modules for p in module.parameters(
-            recurse=module in state.units)}
+    # (a parameter replaced since: looked up again)
+    state.hooked_parameter_ids = hooked = set(map(id, hooked_parameters(state)))
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in hooked:
             raise PerSampleHooksError(

@@ -33,6 +33,7 @@ from .ghost import (
     bias_norms_squared,
     choose_method,
     concat_positions,
+    moment_dtype,
     sum_of_squares,
     weight_norms_squared,
     weighted_bias_sum,
@@ -308,12 +309,6 @@ def _to_float32(form: Form) -> Form:
                         acts.elements, acts.project)
     return Outer(form.grads.float(), acts.float() if isinstance(acts, Tensor) else acts,
                  form.block, form.weighted)
-
-
-def moment_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of second moments (squares, norms, curvature) of ``dtype`` values: float32 for
-    float16, whose range (6e-8 to 65504) squares leave; else ``dtype``."""
-    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def widened(forms: Sequence[Form]) -> Sequence[Form]:

@@ -73,9 +73,16 @@ def chunk_ranges(batch: int, per_sample: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, batch)) for start in range(0, batch, step)]
 
 
+def moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of second moments (squares, norms, curvature) of ``dtype`` values: float32 for
+    float16, whose range (6e-8 to 65504) squares leave; else ``dtype``."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def _norm_dtype(t: Tensor) -> torch.dtype | None:
-    """float32 for float16, whose range (6e-8 to 65504) squares leave."""
-    return torch.float32 if t.dtype == torch.float16 else None
+    """:func:`moment_dtype` where it is not ``t``'s own (None: ``t``'s)."""
+    dtype = moment_dtype(t.dtype)
+    return None if dtype == t.dtype else dtype
 
 
 def sum_of_squares(t: Tensor) -> Tensor:
