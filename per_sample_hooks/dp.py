@@ -452,6 +452,12 @@ class DPSGD:
                 actual = distributed.reduce_clipped(distributed.trainable_grads(self.model), 0,
                                                     self.loss_type)
         else:
+            if get_state(self.model).status.released_by is not None:
+                raise PerSampleHooksError(
+                    "DPSGD: no forward and backward ran since the last step, whose clipping "
+                    "used its captured tensors. A Poisson batch that drew no sample (the "
+                    "forward and backward skipped) takes step(empty_batch=True): it adds the "
+                    "noise alone and counts the step (dp.batches() tells the step itself)")
             try:
                 if self.distributed:
                     norms, actual = distributed.clip_and_reduce(self.model, self.thresholds,

@@ -609,6 +609,22 @@ def test_empty_batch_from_batches_needs_no_flag():
         dp.step()
 
 
+def test_empty_batch_of_the_users_own_sampler_without_the_flag_names_the_flag():
+    """An empty Poisson batch drawn by the user's own sampler, forward and backward skipped,
+    and step() without empty_batch=True: refused naming the flag (not a clip_grads the user
+    never called); the next batch steps as usual."""
+    model, dp = _setup()
+    _backward(model, [0, 1, 2])
+    dp.step()
+    dp.zero_grad()
+    with pytest.raises(psh.PerSampleHooksError, match=r"step\(empty_batch=True\)") as refusal:
+        dp.step()
+    assert "clip_grads" not in str(refusal.value)
+    dp.zero_grad()
+    _backward(model, [3, 4])
+    assert dp.step().shape == (2,)
+
+
 # ---------------------------------------------------------------- the noise
 
 def test_flat_buffers_are_views_kept_across_calls():
