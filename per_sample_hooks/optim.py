@@ -555,6 +555,8 @@ class KFAC:
                 users.setdefault(id(p), []).append(key)
         self.excluded = {key for key, params in blocks.items()
                          if any(len(users[id(p)]) > 1 for p in params)}
+        if not users.keys() <= {id(p) for _, p in self.parameters}:  # replaced since (assign=)
+            self.parameters = list(unwrap(self.model).named_parameters())
         left = {}
         for name, p in self.parameters:
             keys = users.get(id(p), [])

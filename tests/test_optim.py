@@ -343,6 +343,30 @@ def test_freezing_and_unfreezing_between_steps(dtype, set_to_none):
     assert set(precond.factors) == {model[0], model[2]} and not precond.diagonals
 
 
+def test_parameters_replaced_after_construction_are_not_reported_left_to_the_optimizer():
+    """A checkpoint resumed onto the model with ``load_state_dict(assign=True)`` after KFAC was
+    built: every replaced parameter is preconditioned, as the solve with the factors of the
+    hooked layers gives, and ``left_to_optimizer`` stays empty, with no warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    precond = KFAC(model, damping=0.1, kl_clip=None)
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    x, y = torch.randn(8, 5, dtype=torch.double), torch.randint(0, 3, (8,))
+    F.cross_entropy(model(x), y).backward()
+    factors = kfac_by_hand(model)
+    raw = {m: torch.cat([m.weight.grad, m.bias.grad[:, None]], 1) for m in factors}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precond.step()
+    assert precond.left_to_optimizer == {}
+    for m, (a, g) in factors.items():
+        big = torch.kron(g, a) + 0.1 * torch.eye(len(a) * len(g), dtype=a.dtype)
+        want = torch.linalg.solve(big, raw[m].reshape(-1)).reshape(raw[m].shape)
+        torch.testing.assert_close(torch.cat([m.weight.grad, m.bias.grad[:, None]], 1), want,
+                                   rtol=1e-9, atol=1e-12)
+    precond.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_bias_frozen_and_unfrozen_on_steps_that_read_no_factors(dtype):
     """``update_freq=2``, the same batch each step (the factors do not change): the first
