@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from norms_truth import (
@@ -723,6 +724,38 @@ class CentredLinear(nn.Module):
     def forward(self, x):
         y = self.lin(x)
         return y - y.mean(0, keepdim=True)  # couples the samples
+
+
+class FrequencyScaledLookup(nn.Module):
+    """A raw embedding table read with ``scale_grad_by_freq``: outputs per sample, but its
+    backward divides by token counts over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.table, scale_grad_by_freq=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_whose_backward_couples_the_samples_is_refused(dtype):
+    """The fallback's re-run per sample divides by each sample's own token counts, the
+    batch's backward by the batch's: the rows do not sum to the gradient. Refused in float32
+    too (it was silently 245% off the gradient there), naming scale_grad_by_freq; nn.Embedding
+    with it is refused by its rule."""
+    torch.manual_seed(0)
+    ids = torch.zeros(6, 5, dtype=torch.long)
+    ids[:, :3] = torch.randint(0, 10, (6, 3))
+    model = nn.Sequential(FrequencyScaledLookup(), nn.Linear(4, 3)).to(dtype)
+    psh.add_hooks(model)
+    try:
+        model(ids).square().sum((1, 2)).mean().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"parameter '0.table': the "
+                           r"per-sample gradients of '0' do not sum .*scale_grad_by_freq=False"):
+            psh.compute_grad1(model)
+    finally:
+        psh.remove_hooks(model)
 
 
 class NoisyLinear(nn.Module):
