@@ -476,15 +476,16 @@ class UnseenUseCheck:
         recomputation (no float64 on the device, a forward that cannot be re-run) leaves the
         check's answer.
 
-        For a float64 ``p`` the same recomputation tells a wrong decomposition from an unseen
-        use: when the total is the seen uses' (no missing term) but the rules' sum is off the
-        exact total by more than :data:`UNFAITHFUL` of it, the owning modules' per-sample
-        gradients do not add up to their gradient: a forward that couples the samples
-        (statistics over the batch) in a fallback unit, or a user rule's wrong formula. That is
-        raised (:func:`raise_unfaithful`), not taken as rounding. In float32 the rules' own
-        rounding can reach such gaps where the gradient is itself rounding (a saturated
-        softmax: 50%), so there it is judged only where the float32 recomputation gives the
-        exact total to 1%, and at :data:`UNFAITHFUL`'s float32 fraction."""
+        For a float64 (and float32) ``p`` the same recomputation tells a wrong decomposition
+        from an unseen use: when the total is the seen uses' (no missing term) but the rules'
+        sum is off the exact total by more than :data:`UNFAITHFUL` of it, the owning modules'
+        per-sample gradients do not add up to their gradient: a forward or backward that
+        couples the samples (statistics over the batch, token counts) in a fallback unit, or a
+        user rule's wrong formula. That is raised (:func:`raise_unfaithful`), not taken as
+        rounding. In float32 the rules' own rounding can reach such gaps where the gradient is
+        itself rounding (a saturated softmax: 50%), so there it is judged only where the
+        float32 recomputation gives the exact total to 1%, and at :data:`UNFAITHFUL`'s float32
+        fraction."""
         by_name = {name: module for module, (name, _) in self._state.modules.items()}
         exact = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
         seen = torch.zeros_like(exact)
