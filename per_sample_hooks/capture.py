@@ -488,7 +488,8 @@ class BroadcastOutput(Tensor):
             try:
                 result = func(*args, **kwargs)
             except (RuntimeError, IndexError) as error:
-                raise _refused_at_once(views[0], name, f"failed ({error})") from error
+                raise _refused_at_once(views[0], name, f"failed ({error})",
+                                       _other_rows(views[0], args, kwargs)) from error
         if not name.startswith("new_") and name != "_base":  # (factories: not derived from
             for view in views:  # the view; _base: torch.compile's tracing reads it)
                 module, dim, batch, status = view.expanded
@@ -504,11 +505,32 @@ _SCATTERS_FROM = frozenset({"scatter", "scatter_add", "scatter_reduce"})
 source would be read in its first copies only (its backward cannot even give its gradient)."""
 
 
-def _refused_at_once(view: BroadcastOutput, op: str, what: str) -> PerSampleHooksError:
-    """The refusal of an op that cannot run on the expanded ``view``, in the forward."""
-    module, _, _, status = view.expanded
+def _refused_at_once(view: BroadcastOutput, op: str, what: str, other_rows: int | None = None
+                     ) -> PerSampleHooksError:
+    """The refusal of an op that cannot run on the expanded ``view``, in the forward; where
+    the op met a tensor with ``other_rows`` rows at the batch dim, those rows are not the
+    samples, and that is the refusal."""
+    module, dim, batch, status = view.expanded
     status.consumed = True  # the next forward starts a clean step
-    return broadcast_misuse_error("", module, op, what)
+    if other_rows is None:
+        return broadcast_misuse_error("", module, op, what)
+    return PerSampleHooksError(
+        f"'{module}' was called with batch size 1 and its output, broadcast over the "
+        f"{batch} samples of the step, met in the model's {op} a tensor of {other_rows} rows "
+        f"at dim {dim}: that tensor's rows are not the samples (the images of a vision "
+        "tower, one sample holding two or none; the crops of an image; a zero-shot head's "
+        "prompts), so the layers that computed them cannot have per-sample gradients. Freeze "
+        "them (for a vision-language model, `requires_grad_(False)` on the vision tower and "
+        "projector: the text side stays exact), or give the model one such row per sample")
+
+
+def _other_rows(view: BroadcastOutput, args: tuple, kwargs: dict) -> int | None:
+    """The number of rows at the batch dim of a tensor among an op's arguments that has
+    neither the step's batch size there nor 1 (None: none has)."""
+    _, dim, batch, _ = view.expanded
+    return next((t.shape[dim] for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, Tensor) and not isinstance(t, BroadcastOutput)
+                 and t.dim() > dim and t.shape[dim] not in (1, batch)), None)
 
 
 def _repeated_once_per_sample(name: str, args: tuple) -> tuple:

@@ -128,3 +128,25 @@ def test_images_not_per_sample_with_the_image_side_frozen_are_exact(dtype) -> No
     model.model.multi_modal_projector.requires_grad_(False)
     psh.add_hooks(model)
     assert_grad1_matches_loop(model, batch(images, dtype), images, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_more_images_than_samples_with_a_trainable_vision_tower_is_refused_naming_the_images(
+        dtype) -> None:
+    """[2, 1, 1] images for 3 samples: the vision tower's position embedding (batch size 1,
+    broadcast over the step's 3 samples) meets the 4 images' patches. Refused in the forward
+    saying that those rows are not the samples and to freeze the image side (it blamed the
+    position embedding's use before); the next step, frozen, is exact."""
+    images = [2, 1, 1]
+    model = llava().to(dtype)
+    inputs = batch(images, dtype)
+    psh.add_hooks(model)
+    with pytest.raises(psh.PerSampleHooksError,
+                       match=r"'model.vision_tower.embeddings.position_embedding' .* 3 samples "
+                             r"of the step, met in the model's add a tensor of 4 rows at dim "
+                             r"0: that tensor's rows are not the samples .*vision tower and "
+                             r"projector"):
+        sample_losses(model, inputs)
+    model.model.vision_tower.requires_grad_(False)
+    model.model.multi_modal_projector.requires_grad_(False)
+    assert_grad1_matches_loop(model, inputs, images, dtype)
