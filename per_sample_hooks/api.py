@@ -395,6 +395,7 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
     written: dict[tuple[int, str], Tensor] | None = {} if check_compares(state) else None
     seen: dict[int, Tensor] = {}  # id(parameter) -> its grad1 buffer (hashing a tensor is slow)
     shared: list[tuple[Tensor, Tensor]] = []  # a parameter of several modules: summed at the end
+    assigned: list[Tensor] = []  # the parameters given a grad1
     batch, scale, get = step.batch_size, step.scale, state.storage.get
     empty = batch == 0  # an empty batch: [0, *p.shape] buffers, nothing to compute
     for layer in step.layers:
@@ -419,11 +420,17 @@ def compute_grad1(model: nn.Module, loss_type: LossType = "mean") -> None:
             if first is None:
                 seen[id(p)] = buf
                 p.grad1 = buf
+                assigned.append(p)
             else:
                 shared.append((first, buf))
     if not empty:  # the hooked sums from the buffers (captured scale: 1 / scale)
         kept = KeptGrads.holding(written) if written is not None else None
-        check_unseen_uses(state, step, kept, 1.0 / scale)
+        try:
+            check_unseen_uses(state, step, kept, 1.0 / scale)
+        except PerSampleHooksError:
+            for p in assigned:  # no parameter keeps a grad1 that the check refused
+                del p.grad1
+            raise
     for first, buf in shared:
         first.add_(buf)
 

@@ -75,6 +75,32 @@ def test_functional_use_of_a_module_weight_raises():
         psh.remove_hooks(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_refused_compute_grad1_leaves_no_grad1(dtype):
+    """The check runs after the buffers are written: a refusal took them back only in words
+    (the README said nothing was written), and every parameter kept a grad1 with the data
+    part alone. Now none keeps one, on the first step nor after an accepted one."""
+    torch.manual_seed(0)
+    model = TiedLanguageModel("matmul").to(dtype)
+    psh.add_hooks(model, check_unseen="always")
+    try:
+        for step in range(2):
+            if step:
+                model.mode = "module"
+                model(tokens()).pow(2).sum().backward()
+                psh.compute_grad1(model)
+                assert all(hasattr(p, "grad1") for p in model.parameters())
+                model.mode = "matmul"
+                model.zero_grad()
+            model(tokens()).pow(2).sum().backward()
+            with pytest.raises(psh.PerSampleHooksError, match=r"'emb\.weight'"):
+                psh.compute_grad1(model)
+            assert not any(hasattr(p, "grad1") for p in model.parameters())
+            model.zero_grad()
+    finally:
+        psh.remove_hooks(model)
+
+
 def test_whole_model_as_a_unit_is_the_way_out():
     torch.manual_seed(0)
     assert_matches_loop(TiedLanguageModel("matmul"), [tokens()], units=[""])
