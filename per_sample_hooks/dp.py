@@ -505,12 +505,16 @@ class DPSGD:
             before, now = set(self._batch_parameters), set(params)
             changed = [f"'{name}' ({'frozen' if p in before else 'unfrozen'})"
                        for name, p in self.model.named_parameters() if (p in before) != (p in now)]
+            self.output_edges.clear()  # this piece is dropped: run again, it starts clean
+            clear_backprops(self.model)
             raise PerSampleHooksError(
                 f"DPSGD.{caller}: the trainable parameters changed between pieces of one batch "
                 f"({', '.join(changed) or 'their order'}): the batch's clipped sums are kept "
-                "for the parameters of its first piece. Freeze or unfreeze between batches "
-                "(after the step that ends one), or dp.discard_batch() to drop this batch's "
-                "pieces")
+                "for the parameters of its first piece. This piece is dropped: run its "
+                "forward and backward again with the parameters of the first piece trainable, "
+                f"then {caller}() (the {self._accumulated} earlier pieces stay accumulated); "
+                "freeze or unfreeze between batches (after the step that ends one), or "
+                "dp.discard_batch() to drop this batch's pieces")
 
     @contextmanager
     def _keeping_pieces(self) -> Iterator[None]:
@@ -522,8 +526,8 @@ class DPSGD:
                 raise
             raise PerSampleHooksError(
                 f"{error}. (The clipped sums of this batch's earlier pieces, "
-                f"{self._accumulated}, stay accumulated: step again once this piece is fixed, "
-                "or dp.discard_batch() to drop them)") from error
+                f"{self._accumulated}, stay accumulated: run this piece again once it is "
+                "fixed, or dp.discard_batch() to drop them)") from error
 
     @torch.no_grad()
     def accumulate(self, empty_batch: bool | None = None, groups: RowGrouping | None = None

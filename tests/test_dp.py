@@ -537,6 +537,30 @@ def test_a_parameter_frozen_between_pieces_is_refused_and_discard_batch_starts_a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_piece_refused_for_a_frozen_parameter_is_run_again_once_unfrozen(dtype):
+    """The piece refused for a parameter frozen since the first piece is dropped, as the
+    refusal says (its re-run was refused as a second forward after a backward): run again with
+    the parameter trainable, the step is the whole batch's, exact."""
+    def pieces(model, dp, x):
+        dp.zero_grad()
+        dp.backward(model(x[4:6]).pow(2).sum(1).mean())
+        dp.accumulate()
+        model[2].bias.requires_grad_(False)
+        dp.zero_grad()
+        dp.backward(model(x[6:]).pow(2).sum(1).mean())
+        with pytest.raises(psh.PerSampleHooksError, match=r"This piece is dropped: run its "
+                           r"forward and backward again .* then step\(\) \(the 1 earlier"):
+            dp.step()
+        model[2].bias.requires_grad_(True)
+        dp.zero_grad()
+        dp.backward(model(x[6:]).pow(2).sum(1).mean())
+        dp.step()
+    got, expected = _pieces_run(dtype, pieces)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_refused_piece_keeps_the_earlier_ones_until_discarded(dtype):
     """A piece refused (a second forward and backward in it) keeps the batch's earlier pieces
     and says so: with it fixed, the step is the whole batch's; after ``discard_batch()`` the
@@ -552,7 +576,7 @@ def test_a_refused_piece_keeps_the_earlier_ones_until_discarded(dtype):
         model(x[4:6]).pow(2).sum(1).mean().backward()
         with pytest.raises(psh.PerSampleHooksError, match=r"^DPSGD: .* ran a forward pass after a "
                            r"backward pass.*\(The clipped sums of this batch's earlier pieces, 1, "
-                           r"stay accumulated: step again once this piece is fixed, or "
+                           r"stay accumulated: run this piece again once it is fixed, or "
                            r"dp.discard_batch\(\) to drop them\)"):
             dp.step()
         psh.clear_backprops(model)
