@@ -621,8 +621,9 @@ passes there."""
 
 @library_computation
 def compute_grad_variance(model: nn.Module, loss_type: LossType = "mean") -> dict[str, Tensor]:
-    """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the (population, as BackPACK's
-    ``Variance``) variance of the per-sample gradients, after one ordinary backward.
+    """``{parameter name: 1/N sum_i (g_i - mean_i g_i)^2}``: the population variance of the
+    per-sample gradients (``g_i`` each sample's own: BackPACK's ``Variance``, of ``g_i / N``
+    for a mean loss, is this ``/ N**2``), after one ordinary backward.
 
     ``E[g^2] - E[g]^2`` from the forms (the Fisher diagonal's squares and the mean); a
     parameter where that difference cancels (somewhere under :data:`CANCELLING` of
