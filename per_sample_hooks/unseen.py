@@ -461,14 +461,18 @@ class UnseenUseCheck:
                           users: Sequence[str]) -> bool:
         """Confirm-before-raise, for a parameter over the threshold: is the gap rounding?
 
-        The contributions of ``p``'s users are recomputed by autograd from their captured
-        calls (their own forward, one vector-Jacobian product per backward pass) in ``p``'s
-        dtype and in float64. Float64 gives the exact total of the seen uses; the difference
-        of the two measures the rounding of the original backward (the same computation, so the
-        same rounding; ``3x``, and its norm, cover kernels that do not round the same way
-        twice). It is the same computation only on the same kernels, which hang on more than
-        the values (:func:`recompute_gradient`; on other kernels a saturated softmax's
-        query/key rounding came out up to 140x smaller than autograd's, and was reported).
+        The contributions of ``p``'s users are recomputed by autograd from their captured calls
+        (their own forward, one vector-Jacobian product per backward pass) in ``p``'s dtype and
+        in float64. Float64 gives the exact total of the seen uses; the difference of the two
+        measures the rounding of the original backward (the same computation, so the same
+        rounding; ``3x``, and its norm, cover kernels that do not round the same way twice). The
+        ``k`` terms of several calls or passes are added in another order than autograd's, which
+        rounds apart by up to ``(k - 1) eps`` times the sum of their norms: that is added
+        (``4x``), and matters where the gradient is itself rounding (the LayerNorm bias of a
+        triplet loss over three calls). It is the same computation only on the same kernels,
+        which hang on more than the values (:func:`recompute_gradient`; on other kernels a
+        saturated softmax's query/key rounding came out up to 140x smaller than autograd's, and
+        was reported).
         The rules' sum (``hooked``, projected) is a second witness of rounding: it sees the
         same uses as the recomputation, summed in another order, so its gap to the exact
         total is rounding alone. A missing term stays in ``total - exact`` in full, so it is
@@ -490,6 +494,7 @@ class UnseenUseCheck:
         exact = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
         seen = torch.zeros_like(exact)
         coarse = torch.zeros_like(exact)  # recomputed in float32 (the conditioning)
+        terms: list[Tensor] = []  # the norms of the calls' and passes' contributions
         try:
             for user in users:
                 module = by_name.get(user)
@@ -499,7 +504,8 @@ class UnseenUseCheck:
                 local = next((n for n, q in module.named_parameters() if q is p), None)
                 if local is None:
                     return False
-                high = recompute_gradient(self._state, module, calls, local, torch.float64)
+                high = recompute_gradient(self._state, module, calls, local, torch.float64,
+                                          terms)
                 exact += high
                 if p.dtype == torch.float64:
                     seen += high
@@ -515,6 +521,9 @@ class UnseenUseCheck:
         exact_projection = project(exact, probe).cpu()
         error = seen - exact
         rounding = 3 * (project(error, probe).cpu().abs() + _norm(error).cpu())
+        if len(terms) > 1:  # added in another order than autograd's: at most (k - 1) eps sum
+            rounding = rounding + 4 * (len(terms) - 1) * torch.finfo(p.dtype).eps * \
+                torch.stack(terms).sum().cpu()
         rules_gap = (hooked - exact_projection).abs()
         total_gap = (total - exact_projection).abs()
         size = _norm(exact).cpu()
@@ -588,9 +597,10 @@ def _norm(t: Tensor) -> Tensor:
 
 
 def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call], name: str,
-                       dtype: torch.dtype) -> Tensor:
+                       dtype: torch.dtype, term_norms: list[Tensor] | None = None) -> Tensor:
     """Autograd's gradient of ``module``'s parameter ``name`` summed over ``calls`` (captured
-    records, each backward pass its own vector-Jacobian product), recomputed in ``dtype``.
+    records, each backward pass its own vector-Jacobian product), recomputed in ``dtype``;
+    the norm of each term added is appended to ``term_norms`` where given.
 
     The module's own forward (:func:`~.reparametrized.recorded_forward`) runs with plain
     autograd and the hooks paused, on copies of the buffers (a BatchNorm's running statistics
@@ -624,6 +634,8 @@ def recompute_gradient(state: HookState, module: nn.Module, calls: Sequence[Call
                                               allow_unused=True)
                 if grad is not None:
                     total += grad
+                    if term_norms is not None:
+                        term_norms.append(_norm(grad))
     return total
 
 
