@@ -694,6 +694,17 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
                "to it), or let the torch.func fallback handle the module whose forward makes "
                "that use as one unit (likely the one that holds it: add_hooks(model, "
                f"units={units}))")
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad} \
+            if model is not None else set()
+        if len(trainable) > 1 and trainable <= {name, *others}:
+            fix = ("every trainable parameter has such a term: most likely a term of the loss "
+                   "reads them all, a regularizer (an L2 penalty, `lam * sum(p.square().sum() "
+                   "for p in model.parameters())`). Leave it out of the loss the per-sample "
+                   "quantities are taken of (the optimizer's weight_decay, or its gradient added "
+                   "to p.grad after them). Otherwise " + fix)
+        else:
+            fix += (". Or a term of the loss reads it (a regularizer): leave that out of the "
+                    "loss the per-sample quantities are taken of")
     also = f", and so do {', '.join(repr(o) for o in others)}" if others else ""
     raise PerSampleHooksError(
         f"parameter '{name}' has a gradient term that no hook sees ({how}){also}: {fix}"

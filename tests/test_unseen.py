@@ -148,6 +148,23 @@ def test_a_loss_term_of_a_units_parameter_is_named_not_the_unit_again(dtype):
             psh.compute_grad1(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_l2_penalty_on_every_parameter_is_named_as_a_term_of_the_loss(dtype):
+    """``loss + lam * sum(p^2)``: refused (each parameter's gradient has a term no hook
+    sees), saying a regularizer most likely reads them all; before, the use was placed in the
+    parent's forward with advice units=[''], which was refused again."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 4)).to(dtype)
+    x, y = torch.randn(6, 5, dtype=dtype), torch.randint(0, 4, (6,))
+    with psh.add_hooks(model):
+        penalty = sum(p.square().sum() for p in model.parameters())
+        (F.cross_entropy(model(x), y) + 0.1 * penalty).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"every trainable parameter has such "
+                           r"a term: most likely a term of the loss reads them all, a "
+                           r"regularizer .* Leave it out of the loss"):
+            psh.compute_grad1(model)
+
+
 def test_a_loss_term_of_the_models_own_raw_parameter_is_not_called_a_unit():
     """The model's own raw parameter (a VAE's learned log-scale), followed op by op, not a
     unit, and also read by the loss: the refusal says the term comes from elsewhere without
