@@ -38,7 +38,12 @@ from .rules.formed import FormedRule
 from .rules.raw_parameters import OWN_UNIT_ADVICE
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
 from .unseen import N_PROBES, HookedSums, holder_of, hooked_parameters
-from .vision_language import ImagelessSamples, images_not_per_sample_error
+from .vision_language import (
+    ImagelessSamples,
+    images_not_per_sample_error,
+    on_image_side,
+    packed_images_hint,
+)
 
 LossType = Literal["mean", "sum"]
 Verb = TypeVar("Verb", bound=Callable)
@@ -514,6 +519,10 @@ def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
     if not batch or batch < 2 or size <= batch or size % batch:
         return None
     names = list(dict.fromkeys(names))  # a layer called several times, once
+    others = len(names) - 1
+    seen = f"'{names[0]}'" + (f" and {others} other layer{'s' * (others > 1)}" if others else "")
+    if model is not None and on_image_side(model, names):
+        return packed_images_hint(seen, size)
     if batch_layers is None:
         parent = _unit_holding(names[0], None, model)
         where = f"its parent {parent!r}, if it is one" if parent else "the model itself"
@@ -525,8 +534,6 @@ def merged_batch_hint(names: Sequence[str], size: int, batch: int | None,
         where = "the model itself" if units == [""] else ", ".join(map(repr, units[:3])) + (
             f" and {len(units) - 3} more" if len(units) > 3 else "")
         where += ", which hold a layer that saw the batch too"
-    others = len(names) - 1
-    seen = f"'{names[0]}'" + (f" and {others} other layer{'s' * (others > 1)}" if others else "")
     return (
         f"{seen} saw a multiple of the batch {batch}: called with {size} rows, "
         f"{size // batch} times the batch of {batch}, the samples' positions merged into one "

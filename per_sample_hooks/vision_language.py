@@ -14,6 +14,7 @@ received gradients in it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -88,3 +89,22 @@ def images_not_per_sample_error(caller: str, note: ImagelessSamples, layer: str)
         "no other sign). The text side's per-sample gradients are exact whatever the images: "
         "freeze the layers that see the images (`requires_grad_(False)` on the vision tower "
         "and projector), or give every sample of a batch one image")
+
+
+def on_image_side(model: nn.Module, names: Sequence[str]) -> bool:
+    """Whether ``model`` is a vision-language model and its layers ``names`` all sit off its
+    text side (the vision tower, the projector: their rows are images or patches)."""
+    tokens = image_tokens(model)
+    return tokens is not None and all(model.get_submodule(name) not in tokens.text_side
+                                      for name in names)
+
+
+def packed_images_hint(layers: str, size: int) -> str:
+    """What to do about ``layers`` on the image side, called with ``size`` rows."""
+    return (
+        f"{layers} saw {size} rows: the images of the model's call, or their patches packed "
+        "into one dim (Qwen2-VL's pixel_values [patches, ...]), not its samples, which a unit "
+        "cannot split either. The text side's per-sample gradients are exact whatever the "
+        "images: freeze the layers that see them (`requires_grad_(False)` on the vision tower "
+        "and projector)")
+

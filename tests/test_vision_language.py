@@ -7,6 +7,7 @@ images, and so is everything with one image per sample."""
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -150,3 +151,67 @@ def test_more_images_than_samples_with_a_trainable_vision_tower_is_refused_namin
     model.model.vision_tower.requires_grad_(False)
     model.model.multi_modal_projector.requires_grad_(False)
     assert_grad1_matches_loop(model, inputs, images, dtype)
+
+
+def qwen2_vl() -> nn.Module:
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                 "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=2,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision,
+                                        image_token_id=IMAGE, video_token_id=60,
+                                        vision_start_token_id=62, vision_end_token_id=61,
+                                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.Qwen2VLForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_image_patches_are_refused_with_the_one_fix_that_works(dtype) -> None:
+    """Qwen2-VL packs every image's patches into the rows of pixel_values ([patches, 24]):
+    its vision tower sees 8 rows for 2 samples. Refused, advising to freeze the image side
+    (not units=['model'], whose re-run splits the patches as if they were samples and fails);
+    the text side is then exact against the float64 loop."""
+    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
+        pytest.skip("transformers without Qwen2-VL")
+    model = qwen2_vl().to(dtype)
+    ids = torch.tensor([[1, 62] + [IMAGE] * 1 + [61, 5, 6, 7, 8]] * 2)
+    ids[1, 4:] = torch.tensor([9, 10, 11, 12])
+    pixels = torch.randn(8, 24, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    grids = torch.tensor([[1, 2, 2], [1, 2, 2]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
+              "image_grid_thw": grids}
+    if "mm_token_type_ids" in inspect.signature(model.model.forward).parameters:
+        inputs["mm_token_type_ids"] = (ids == IMAGE).long()  # transformers 5: M-RoPE's
+
+    def losses(model, inputs):
+        logits = model(**inputs).logits[:, :-1]
+        labels = inputs["input_ids"][:, 1:].masked_fill(inputs["input_ids"][:, 1:] >= 60, -100)
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
+
+    psh.add_hooks(model)
+    losses(model, inputs).mean().backward()
+    with pytest.raises(psh.PerSampleHooksError, match=r"'model.visual.* saw 8 rows: the images "
+                       r"of the model's call, or their patches .*freeze the layers that see "
+                       r"them") as refusal:
+        psh.compute_grad1(model)
+    assert "units=" not in str(refusal.value)
+    model.model.visual.requires_grad_(False)
+    model.zero_grad()
+    losses(model, inputs).mean().backward()
+    psh.compute_grad1(model)
+    reference = copy.deepcopy(model).double()
+    params = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+    for i in range(2):
+        alone = {k: v[i:i + 1] for k, v in inputs.items() if k != "pixel_values"}
+        alone["pixel_values"] = pixels[4 * i:4 * i + 4].double()
+        grads = torch.autograd.grad(losses(reference, alone).sum(), list(params.values()))
+        tolerance = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float64 else \
+            {"rtol": 2e-4, "atol": 2e-6}
+        for (n, _), g in zip(params.items(), grads):
+            torch.testing.assert_close(model.get_parameter(n).grad1[i].double(), g,
+                                       **tolerance, msg=lambda m, n=n: f"{n}: {m}")
