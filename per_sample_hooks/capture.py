@@ -319,8 +319,9 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     gradient of the value the module returned even when an in-place op (``ReLU(inplace=True)``)
     later changes ``leaf`` -- unless ``leaf`` is a view: an in-place op on a view rebases its
     history and its hook never fires. A Linear on ``[B, *, d]`` returns a reshaped view of its
-    matmul, so for a view of a whole contiguous base (:func:`gradient_tensor`) a tensor hook on
-    the base catches the gradient of the base (= of the view, reshaped) in the passes where
+    matmul (a batch_first LSTM a transposed view of its output), so for a view of a whole
+    contiguous base (:func:`gradient_tensor`) a tensor hook on the base catches the gradient of
+    the base (= of the view, reshaped or permuted) in the passes where
     the view's hook did not fire (the view's hook fires first when it fires at all). Each hook
     does its work in one Python frame: it runs for every captured call of every step, and is
     added without a handle (:func:`add_tensor_hook`) unless ``compiling``. A None gradient (what
@@ -359,14 +360,14 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
         fired[0] = grad is not None
         arrived(grad)
 
-    shape = leaf.shape
+    shape, strides = leaf.shape, None if leaf.is_contiguous() else leaf.stride()
 
     def base_hook(grad: Tensor | None) -> None:
         if fired[0]:  # the view's own hook had it
             fired[0] = False
             return
         if grad is not None:
-            arrived(grad.reshape(shape))
+            arrived(as_view_of(grad, shape, strides))
 
     fired = [False]
     register(leaf, view_hook)
@@ -395,15 +396,34 @@ def add_tensor_hook(tensor: Tensor, hook: Callable[[Tensor], None]) -> None:
 
 
 def gradient_tensor(leaf: Tensor) -> Tensor:
-    """The tensor whose gradient is ``leaf``'s, reshaped, even after an in-place op on
-    ``leaf``: ``leaf``'s base when ``leaf`` is a view of all of a contiguous base with a
-    history, else ``leaf``. Ask autograd for this tensor's gradient edge (an in-place op on a
-    view takes the view's original edge out of the graph; the base's stays)."""
+    """The tensor whose gradient is ``leaf``'s, laid out as :func:`as_view_of` says, even
+    after an in-place op on ``leaf``: ``leaf``'s base when ``leaf`` is a view of all of a
+    contiguous base with a history (reshaped, or with its dims permuted: a batch_first
+    ``nn.LSTM``'s output, ``out.transpose(0, 1)``), else ``leaf``. Ask autograd for this
+    tensor's gradient edge (an in-place op on a view takes the view's original edge out of
+    the graph; the base's stays)."""
     base = leaf._base
     if base is None or base.grad_fn is None or base.numel() != leaf.numel() \
-            or not (base.is_contiguous() and leaf.is_contiguous()):
+            or not base.is_contiguous() or leaf.storage_offset() != base.storage_offset():
         return leaf
+    if leaf.is_contiguous():
+        return base
+    sizes_and_strides = sorted((stride, size) for size, stride in
+                               zip(leaf.shape, leaf.stride()) if size > 1)
+    dense = 1
+    for stride, size in sizes_and_strides:  # each dim steps over the smaller ones: a permutation
+        if stride != dense:
+            return leaf
+        dense *= size
     return base
+
+
+def as_view_of(grad: Tensor, shape: torch.Size, strides: tuple[int, ...] | None) -> Tensor:
+    """The gradient of a view (``shape``; ``strides``, None where contiguous) from the
+    gradient ``grad`` of the base that :func:`gradient_tensor` gave for it."""
+    if strides is None:
+        return grad.reshape(shape)
+    return grad.contiguous().as_strided(shape, strides)
 
 
 def map_tensors(fn: Callable[[Tensor], object], tree: Any) -> Any:
