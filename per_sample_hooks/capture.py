@@ -321,8 +321,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     history and its hook never fires. A Linear on ``[B, *, d]`` returns a reshaped view of its
     matmul (a batch_first LSTM a transposed view of its output), so for a view of a whole
     contiguous base (:func:`gradient_tensor`) a tensor hook on the base catches the gradient of
-    the base (= of the view, reshaped or permuted) in the passes where
-    the view's hook did not fire (the view's hook fires first when it fires at all). Each hook
+    the base (= of the view, reshaped or permuted) in the passes where the view's hook did not
+    fire (the view's hook fires first when it fires at all). Each hook
     does its work in one Python frame: it runs for every captured call of every step, and is
     added without a handle (:func:`add_tensor_hook`) unless ``compiling``. A None gradient (what
     a node with several outputs, cuDNN's RNN, gives the hooks of those the loss did not use) is
