@@ -25,6 +25,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import PerSampleHooksError
+from .vision_language import FREEZE_IMAGE_SIDE
 
 STATE_ATTRIBUTE = "_per_sample_hooks"
 
@@ -539,9 +540,8 @@ def _refused_at_once(view: BroadcastOutput, op: str, what: str, other_rows: int 
         f"{batch} samples of the step, met in the model's {op} a tensor of {other_rows} rows "
         f"at dim {dim}: that tensor's rows are not the samples (the images of a vision "
         "tower, one sample holding two or none; the crops of an image; a zero-shot head's "
-        "prompts), so the layers that computed them cannot have per-sample gradients. Freeze "
-        "them (for a vision-language model, `requires_grad_(False)` on the vision tower and "
-        "projector: the text side stays exact), or give the model one such row per sample")
+        "prompts), so the layers that computed them cannot have per-sample gradients. "
+        f"{FREEZE_IMAGE_SIDE}; or give the model one such row per sample")
 
 
 def _other_rows(view: BroadcastOutput, args: tuple, kwargs: dict) -> int | None:

@@ -495,6 +495,10 @@ class DPSGD:
         since (after a refused piece, or to give up a virtual batch); the next piece starts a
         new batch. Nothing of it was released, so nothing is accounted."""
         self._accumulated, self._batch_parameters = 0, []
+        self._drop_piece()
+
+    def _drop_piece(self) -> None:
+        """Drop what the hooks recorded since the last piece (its forward and backward)."""
         self.output_edges.clear()
         clear_backprops(self.model)
 
@@ -505,8 +509,7 @@ class DPSGD:
             before, now = set(self._batch_parameters), set(params)
             changed = [f"'{name}' ({'frozen' if p in before else 'unfrozen'})"
                        for name, p in self.model.named_parameters() if (p in before) != (p in now)]
-            self.output_edges.clear()  # this piece is dropped: run again, it starts clean
-            clear_backprops(self.model)
+            self._drop_piece()  # run again, it starts clean
             raise PerSampleHooksError(
                 f"DPSGD.{caller}: the trainable parameters changed between pieces of one batch "
                 f"({', '.join(changed) or 'their order'}): the batch's clipped sums are kept "

@@ -22,6 +22,10 @@ from torch import Tensor, nn
 # the forward's argument with the pixels of a kind of image, and the config's id of its token
 VISUAL_INPUTS = (("pixel_values", "image_token_id"), ("pixel_values_videos", "video_token_id"))
 
+FREEZE_IMAGE_SIDE = (
+    "The text side's per-sample gradients are exact whatever the images: freeze the layers "
+    "that see them (`requires_grad_(False)` on the vision tower and projector)")
+
 
 @dataclass(frozen=True)
 class ImagelessSamples:
@@ -86,9 +90,7 @@ def images_not_per_sample_error(caller: str, note: ImagelessSamples, layer: str)
         f"image token: its images are not one per sample, and '{layer}', which sees one row "
         "per image (the vision tower, the projector), would have them taken for the samples' "
         "rows (where there are as many images as samples, with wrong per-sample gradients and "
-        "no other sign). The text side's per-sample gradients are exact whatever the images: "
-        "freeze the layers that see the images (`requires_grad_(False)` on the vision tower "
-        "and projector), or give every sample of a batch one image")
+        f"no other sign). {FREEZE_IMAGE_SIDE}, or give every sample of a batch one image")
 
 
 def on_image_side(model: nn.Module, names: Sequence[str]) -> bool:
@@ -104,7 +106,5 @@ def packed_images_hint(layers: str, size: int) -> str:
     return (
         f"{layers} saw {size} rows: the images of the model's call, or their patches packed "
         "into one dim (Qwen2-VL's pixel_values [patches, ...]), not its samples, which a unit "
-        "cannot split either. The text side's per-sample gradients are exact whatever the "
-        "images: freeze the layers that see them (`requires_grad_(False)` on the vision tower "
-        "and projector)")
+        f"cannot split either. {FREEZE_IMAGE_SIDE}")
 
