@@ -1122,6 +1122,7 @@ class ForwardHook:
         self.state: HookState | None = state
         self.owner = owner
 
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.state is not None:
             return self.state.forward_hook(self.owner, module, args, kwargs, output)
@@ -1138,6 +1139,7 @@ class ModelCallHook:
     def __init__(self, state: HookState):
         self.state: HookState | None = state
 
+    @torch.compiler.disable  # (traced, it would be recompiled for every new input's id)
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         state = self.state
         if state is None or not state.enabled or not torch.is_grad_enabled() or \
@@ -1165,6 +1167,7 @@ class ModelCallHook:
         if state.model_input_shapes is not None:
             state.model_input_shapes.update(t.shape for t in tensors)
 
+    @torch.compiler.disable
     def after(self, module: nn.Module, args: tuple, output: object) -> None:
         """The model's forward hook, called even when the forward raised: an error of the
         model's own code on an output expanded over the batch (an ``index_copy_`` of it, past

@@ -834,6 +834,7 @@ class RawUses(TorchFunctionMode):
 
     # --------------------------------------------------------------- hooks
 
+    @torch.compiler.disable  # (see capture.ModelCallHook)
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.forward is not None:  # the owner called inside its own forward
             self.forward.refuse("is called inside its own forward")
@@ -848,6 +849,7 @@ class RawUses(TorchFunctionMode):
         self.depth, self.suspended, self.nested = 0, False, 0
         self.__enter__()
 
+    @torch.compiler.disable  # (see capture.ModelCallHook)
     def after(self, module: nn.Module, args: tuple, output: object) -> None:
         forward = self.forward
         if forward is None:

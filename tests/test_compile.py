@@ -1,8 +1,8 @@
 """torch.compile: hook the model, then compile it.
 
 - ``add_hooks(model); compiled = torch.compile(model)``: exact per-sample gradients through the
-  compiled module (dynamo breaks the graph at each hooked module's output to register the
-  gradient capture; the layers in between stay compiled). ``compute_*`` accept either handle.
+  compiled module (the library's hooks run outside dynamo's graphs, which break at each hooked
+  module's call; the code in between stays compiled). ``compute_*`` accept either handle.
 - ``add_hooks(compiled)`` is refused with an error saying to hook first: compiled code does not
   see hooks added after compilation (``torch._dynamo`` does not guard on module hooks).
 - After ``remove_hooks`` code compiled while hooked still calls the (now inert) hook: nothing is
@@ -231,3 +231,41 @@ def test_the_compiled_handle_of_a_hooked_model_is_its_state():
         dp.close()
     finally:
         psh.remove_hooks(net)
+
+
+def test_the_library_hooks_are_not_recompiled_at_each_step():
+    """The library's own hooks run outside dynamo's graphs (torch.compiler.disable): traced,
+    the model's call hook, each layer's forward hook and a raw parameter's watcher were
+    compiled again at every step (their guards on new inputs and on the records failed) until
+    dynamo's recompile limit, over 8 layers or steps (warned, and 10-30 ms a step). Exact,
+    float64, with new inputs at each step and 12 hooked modules."""
+    from torch._dynamo.utils import counters
+
+    class Shift(nn.Module):  # a raw parameter: a watcher's hooks
+        def __init__(self):
+            super().__init__()
+            self.shift = nn.Parameter(torch.randn(6) / 4)
+
+        def forward(self, x):
+            return x + self.shift
+
+    torch.manual_seed(0)
+    net = nn.Sequential(Shift(), *(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(10)),
+                        nn.Linear(6, 2)).double()
+    reference = copy.deepcopy(net)
+    psh.add_hooks(net)
+    compiled = compiled_or_skip(net)
+    graphs = []
+    try:
+        for _ in range(5):
+            x = torch.randn(5, 6, dtype=torch.float64)
+            net.zero_grad(set_to_none=True)
+            weighted_square(compiled(x)).mean().backward()
+            psh.compute_grad1(net)
+            graphs.append(counters["stats"]["unique_graphs"])
+            expected = loop_grads(reference, [x], weighted_square, 5)
+            for n, p in net.named_parameters():
+                torch.testing.assert_close(p.grad1, expected[n], rtol=1e-9, atol=1e-11)
+    finally:
+        psh.remove_hooks(net)
+    assert graphs[1:] == graphs[1:2] * 4, graphs
