@@ -22,8 +22,15 @@ tied ``wte`` / ``lm_head`` weight): each module has a block for its own use of i
 is their sum, and the sum of two Kronecker blocks has no cheap inverse; preconditioning it with
 one module's block would ignore the other's curvature. Parameters may be frozen and unfrozen
 between steps; on a step that reads no factors (``update_freq > 1``) a bias frozen since the
-last read drops its row and column of ``A``, and a bias unfrozen since is left as it is until
-the next read.
+last read drops its row and column of ``A``, a block holding another parameter frozen since is
+dropped (its other parameters left as they are), and a parameter unfrozen since is left as it
+is until the next read (all of these listed in ``left_to_optimizer``: a frozen parameter's
+gradient is never written).
+
+``step()`` once per backward: a second call with no backward since is refused (the gradients
+are the ones it preconditioned). On a step that reads the factors, several forward+backward
+passes (gradient accumulation) are refused: call ``clear_backprops(model)`` before each
+micro-batch's forward but the last, whose factors are then read.
 
 Math, per Kronecker layer (as :func:`~per_sample_hooks.curvature.compute_kfac` returns the
 factors). The weight gradient is seen as a matrix ``M [dg, da]`` (Linear ``[out, in]``,
@@ -86,6 +93,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -98,6 +106,7 @@ from .api import LossType, add_hooks, clear_backprops, disable_hooks, enable_hoo
 from .capture import STATE_ATTRIBUTE, get_state, unwrap
 from .curvature import KFACFactors, KFACUnsupported, compute_kfac
 from .edges import OutputEdges
+from .errors import PerSampleHooksError
 from .forms import moment_dtype
 from .step import library_computation
 
@@ -204,10 +213,11 @@ def gradient_matrix(module: nn.Module, groups: int, da: int, transposed: bool = 
                     ) -> Tensor | None:
     """The weight gradient (``transposed``: of a weight stored ``[in, out]``, transformers'
     Conv1D) and the bias gradient as the last column where ``A`` has one,
-    ``[groups, dg/groups, da]``; None when the weight has no gradient. (A bias unfrozen since
-    the factors were read has no column in ``A``: its gradient is left as it is.)"""
+    ``[groups, dg/groups, da]``; None when the weight has no gradient or is frozen. (A bias
+    unfrozen since the factors were read has no column in ``A``: its gradient is left as it
+    is.)"""
     weight = module.weight
-    if weight.grad is None:
+    if weight.grad is None or not weight.requires_grad:
         return None
     grad = weight.grad.t() if transposed else weight.grad
     m = grad.reshape(groups, grad.shape[0] // groups, -1)
@@ -340,6 +350,9 @@ class KFAC:
         self.skipped: set[str] = set()  # what the last KFACFactors skipped
         self.excluded: set[object] = set()  # blocks holding a parameter of several blocks
         self.left_to_optimizer: dict[str, str] = {}
+        # (parameter, its .grad, the version) of each gradient the last step() wrote: all
+        # still there, unchanged, there was no backward since
+        self.written: list[tuple[Tensor, weakref.ref, int]] = []
 
     # ------------------------------------------------------------------ the step
 
@@ -350,7 +363,9 @@ class KFAC:
         """On an update step, read Gauss-Newton / Fisher factors now: ``backprop_hess(output,
         hess_type)`` (graph kept for the loss's backward) then the factors. Call it on the
         step's fresh ``output`` before ``loss.backward()``; ``step()`` then reads no factors.
-        Does nothing on steps that read no factors (``update_freq > 1``).
+        Does nothing on steps that read no factors (``update_freq > 1``). Called again before
+        ``step()`` (the step of the previous call was skipped), it reads this batch's factors
+        too (folded into the running averages), so that the step uses them.
 
         ``hess_type``: ``"CrossEntropy"`` or ``"LeastSquares"`` (per-sample ``0.5|y - t|^2``);
         ``n_samples``: Monte-Carlo Fisher with that many sampled targets instead of the exact
@@ -364,7 +379,7 @@ class KFAC:
         leaves so that it has parameter gradients to compare. Without ``backprop_hess`` no
         edges are recorded: they would keep the graphs of forwards no backward follows.
         """
-        if self.steps % self.update_freq != 0 or self.read_this_step:
+        if self.steps % self.update_freq != 0:
             return
         from .curvature import backprop_hess  # noqa: PLC0415
         if self.edges is None:  # records from the next forward on: this pass goes to the leaves
@@ -379,21 +394,50 @@ class KFAC:
     @library_computation
     def step(self) -> None:
         """Update factors / eigendecompositions when due, then precondition the gradients."""
+        self.refuse_preconditioned_gradients()
         if self.steps % self.update_freq == 0 and not self.read_this_step:
+            self.refuse_micro_batches()
             self.update_factors(self.read_factors(self.model))
         self.read_this_step = False
         clear_backprops(self.model)
         self.follow_parameters()
         self.drop_frozen_bias_columns()
+        self.drop_frozen_blocks()
         if self.steps % self.inverse_freq == 0:
             self.update_eigen()
         else:  # blocks new or reshaped since the last refresh (the others keep theirs)
             self.update_eigen([m for m in (*self.factors, *self.embeddings)
                                if m not in self.eigen and m not in self.excluded])
         self.precondition_grads()
+        self.written = [(p, weakref.ref(p.grad), p.grad._version) for params in
+                        self.blocks().values() for p in params if p.grad is not None]
         self.steps += 1
         if self.pause_hooks and self.update_freq > 1:
             (enable_hooks if self.steps % self.update_freq == 0 else disable_hooks)(self.model)
+
+    def refuse_preconditioned_gradients(self) -> None:
+        """Refuse a ``step()`` with no backward since the last: the gradients it wrote are
+        still there, unchanged (preconditioned again, they would be another direction)."""
+        if self.written and all(p.grad is not None and p.grad is grad() and
+                                p.grad._version == version for p, grad, version in self.written):
+            raise PerSampleHooksError(
+                "KFAC.step(): no backward since the last step(): the gradients are the ones it "
+                "preconditioned, and preconditioning them again gives another direction. Call "
+                "step() once after each backward")
+
+    def refuse_micro_batches(self) -> None:
+        """Refuse to read factors from several forward+backward passes of one step (gradient
+        accumulation); the records are dropped, so the next step starts clean."""
+        state = get_state(self.model)
+        if state.status.forward_after_backward is not None:
+            clear_backprops(self.model)
+            raise PerSampleHooksError(
+                "KFAC.step(): several forward+backward passes before this step (gradient "
+                "accumulation?), on a step that reads the factors: they are read from one "
+                "backward, and the micro-batches' rows cannot be told apart. Call "
+                "per_sample_hooks.clear_backprops(model) before each micro-batch's forward "
+                "but the last (the factors are then the last micro-batch's), or step once "
+                "per backward")
 
     def follow_parameters(self) -> None:
         """The running state on its parameters' device and dtype: the model may have been
@@ -416,6 +460,16 @@ class KFAC:
             if a.shape[-1] == matrix_columns(module, module in self.transposed) + 1:
                 self.factors[module] = (a[..., :-1, :-1], g)
                 self.eigen.pop(module, None)
+
+    def drop_frozen_blocks(self) -> None:
+        """A block holding a parameter frozen since the factors were read (on a step that
+        reads none, ``update_freq > 1``) is dropped, its parameters' gradients left as they
+        are until the next read; then :attr:`left_to_optimizer` is brought up to date."""
+        for key, params in self.blocks().items():
+            if not all(p.requires_grad for p in params):
+                for blocks in (self.factors, self.embeddings, self.diagonals, self.eigen):
+                    blocks.pop(key, None)
+        self.update_coverage()
 
     def update_factors(self, new: Factors) -> None:
         """Fold ``new`` factors (and diagonals) into the running averages (the first ones are
@@ -507,6 +561,12 @@ class KFAC:
             grad = module.get_parameter(name).grad
             if grad is not None and (module, name) not in self.excluded:
                 done.append((grad, grad / (diagonal + self.damping), grad.copy_))
+        if self.damping == 0 and not all(bool(torch.isfinite(p).all()) for _, p, _ in done):
+            raise FloatingPointError(
+                "KFAC: a preconditioned gradient is not finite: with damping=0 a singular "
+                "factor (a layer wider than the samples it saw, a dead unit) has no inverse. "
+                "Give damping > 0 (1e-8 keeps the natural-gradient direction wherever the "
+                "factors are invertible); no gradient was changed")
         scale = self.step_scale([(m, p) for m, p, _ in done])
         for _, p, write in done:
             write(p * scale if scale != 1.0 else p)
@@ -534,11 +594,13 @@ class KFAC:
     def blocks(self) -> dict[object, list[Tensor]]:
         """The parameters each block preconditions, keyed as the blocks: a module (Kronecker
         factors: weight and trainable bias; Embedding: weight) or ``(module, local name)``
-        (a curvature diagonal)."""
+        (a curvature diagonal). A bias unfrozen since the factors were read has no column
+        in ``A``: not in its module's block."""
         result: dict[object, list[Tensor]] = {}
-        for module in self.factors:
-            result[module] = [module.weight, *([module.bias] if has_trainable_bias(module)
-                                               else [])]
+        for module, (a, _) in self.factors.items():
+            bias_column = has_trainable_bias(module) and \
+                a.shape[-1] == matrix_columns(module, module in self.transposed)
+            result[module] = [module.weight, *([module.bias] if bias_column else [])]
         for module in self.embeddings:
             result[module] = [module.weight]
         for module, name in self.diagonals:
@@ -573,7 +635,9 @@ class KFAC:
                 left[name] = "left out by compute_kfac(unsupported='skip')"
             else:
                 left[name] = ("no curvature read: its module is not hooked, its output never "
-                              "reached the loss, or the factors function left it out")
+                              "reached the loss, the factors function left it out, or it was "
+                              "frozen (or unfrozen) since the factors were last read "
+                              "(update_freq > 1: until the next read)")
         if left and left.keys() != self.left_to_optimizer.keys():
             warnings.warn("KFAC leaves these trainable parameters to the optimizer as they are "
                           f"(KFAC.left_to_optimizer says why): {sorted(left)}", stacklevel=4)
@@ -611,6 +675,33 @@ class KFAC:
                                 "lr": self.lr, "rescale_norm": self.rescale_norm},
         }
 
+    def state_shapes(self, state: Mapping[str, Any], modules: Mapping[str, nn.Module]
+                     ) -> dict[str, tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None]:
+        """``{module name: None}`` where the state's blocks fit the module's parameters, else
+        ``(the blocks' shapes, the parameters' shapes)``: a Kronecker block's ``G`` spans the
+        weight's rows and its ``A`` a row (and the bias, if one), an Embedding's ``a [V]``
+        and ``G [d, d]`` the weight ``[V, d]``, a diagonal its parameter."""
+        result: dict[str, tuple[list[tuple[int, ...]], list[tuple[int, ...]]] | None] = {}
+        for name, (a, g) in state["factors"].items():
+            module = modules[name]
+            rows = module.weight.shape[1 if module in self.transposed else 0]
+            extra = a.shape[-1] - module.weight.numel() // rows
+            fits = g.shape[-1] * (g.shape[0] if g.dim() == 3 else 1) == rows and (
+                extra == 0 or (extra == 1 and isinstance(getattr(module, "bias", None), Tensor)))
+            result[name] = None if fits else (
+                [tuple(a.shape), tuple(g.shape)],
+                [tuple(p.shape) for p in module.parameters(recurse=False)])
+        for name, (a, g) in state.get("embeddings", {}).items():
+            weight = modules[name].weight
+            fits = (a.shape[-1], g.shape[-1]) == tuple(weight.shape)
+            result[name] = None if fits else ([tuple(a.shape), tuple(g.shape)],
+                                              [tuple(weight.shape)])
+        for (name, local), diagonal in state.get("diagonals", {}).items():
+            parameter = modules[name].get_parameter(local)
+            if diagonal.shape != parameter.shape:
+                result[f"{name}.{local}"] = ([tuple(diagonal.shape)], [tuple(parameter.shape)])
+        return result
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (on a model with the same module names)."""
         modules = dict(unwrap(self.model).named_modules())
@@ -619,6 +710,12 @@ class KFAC:
         missing = [n for n in wanted if n not in modules]
         if missing:
             raise KeyError(f"KFAC.load_state_dict: no module named {missing} in the model")
+        for name, shapes in self.state_shapes(state, modules).items():
+            if shapes is not None:
+                raise ValueError(
+                    f"KFAC.load_state_dict: the state's factors of '{name}' have shapes "
+                    f"{shapes[0]}, which do not fit its parameters {shapes[1]}: a state of "
+                    "another model (other layer sizes). Nothing was loaded")
         self.steps = int(state["steps"])
         for name, value in state.get("hyperparameters", {}).items():
             setattr(self, name, value)

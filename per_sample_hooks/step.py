@@ -474,9 +474,14 @@ def _no_gradient_captured(state: HookState, caller: str) -> PerSampleHooksError:
     reached = [] if model is None or not called else [
         name for name, p in model.named_parameters() if p.requires_grad and p.grad is not None]
     if not reached:
+        disabled = "" if state.enabled else (
+            " The hooks are disabled (disable_hooks(model); psh.optim.KFAC with update_freq "
+            "> 1 pauses them on the steps that read no factors: KFAC(..., pause_hooks=False) "
+            "keeps them on).")
         return PerSampleHooksError(
             f"{caller}: no output gradient was captured since the hooks were added or last "
-            "cleared. Run the forward pass with grad enabled and loss.backward() first")
+            "cleared. Run the forward pass with grad enabled and loss.backward() first."
+            f"{disabled}")
     units = sorted({holder_of(model, name) for name in reached})
     return PerSampleHooksError(
         f"{caller}: autograd gave trainable parameters a gradient ({', '.join(reached[:4])}"

@@ -372,7 +372,8 @@ def test_a_bias_frozen_and_unfrozen_on_steps_that_read_no_factors(dtype):
     """``update_freq=2``, the same batch each step (the factors do not change): the first
     layer's bias frozen on step 1 (reads no factors) gives its weight the solve with ``A``
     less the bias row and column, as the factors read without it on step 2; unfrozen on step
-    3 (reads none), the weight keeps that block and the bias' gradient is left as it is."""
+    3 (reads none), the weight keeps that block and the bias' gradient is left as it is, which
+    ``left_to_optimizer`` and a warning say."""
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
     precond = KFAC(model, damping=0.1, kl_clip=None, update_freq=2)
@@ -387,7 +388,11 @@ def test_a_bias_frozen_and_unfrozen_on_steps_that_read_no_factors(dtype):
             a, g = (f.double() for f in kfac_by_hand(model)[layer])
             a = a[:-1, :-1]  # the weight's block
         raw = {p: p.grad.clone() for p in layer.parameters() if p.requires_grad}
-        precond.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precond.step()
+        assert set(precond.left_to_optimizer) == ({"0.bias"} if step == 3 else set())
+        assert len(caught) == (step == 3)
         if step == 0:
             continue
         big = torch.kron(g, a) + 0.1 * torch.eye(a.shape[0] * g.shape[0], dtype=a.dtype)
@@ -396,6 +401,168 @@ def test_a_bias_frozen_and_unfrozen_on_steps_that_read_no_factors(dtype):
                                    **tolerance)
         if bias_trainable:
             torch.testing.assert_close(layer.bias.grad, raw[layer.bias])
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_weight_frozen_or_unfrozen_on_a_step_that_reads_no_factors(dtype, set_to_none):
+    """``update_freq=2``: the head's weight frozen on step 1 (reads no factors) kept its
+    gradient (zeros with ``set_to_none=False``), where the block's joint solve was written
+    into it and SGD moved the frozen weight; its bias is left as it is and listed in
+    ``left_to_optimizer``, the first layer solved with its factors. Unfrozen on step 3 (reads
+    none either) the weight is left as it is and listed (it was not, with no warning)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+    precond = KFAC(model, damping=0.1, kl_clip=None, update_freq=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4, dtype=dtype), torch.randint(0, 3, (16,))
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    head = model[2]
+    for step, weight_trainable in enumerate([True, False, False, True, True]):
+        head.weight.requires_grad_(weight_trainable)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        F.cross_entropy(model(x), y).backward()
+        if step == 0:  # (the same batch at every step: the first layer's factors)
+            a, g = (f.double() for f in kfac_by_hand(model)[model[0]])
+        raw = {p: None if p.grad is None else p.grad.clone() for p in model.parameters()}
+        weight = head.weight.detach().clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            precond.step()
+        optimizer.step()
+        grad = torch.cat([raw[model[0].weight], raw[model[0].bias][:, None]], 1).double()
+        big = torch.kron(g, a) + 0.1 * torch.eye(a.shape[0] * g.shape[0], dtype=a.dtype)
+        want = torch.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+        torch.testing.assert_close(model[0].weight.grad, want[:, :4].to(dtype), **tolerance)
+        if step in (1, 3):  # read no factors: the head's block is not that of its parameters
+            left = head.bias if step == 1 else head.weight  # (step 3: the bias has the
+            name = "2.bias" if step == 1 else "2.weight"  # diagonal step 2 read)
+            assert set(precond.left_to_optimizer) == {name}
+            assert len(caught) == 1 and name in str(caught[0].message)
+            torch.testing.assert_close(left.grad, raw[left], rtol=0, atol=0)
+        if not weight_trainable:
+            assert (head.weight.grad is None) if set_to_none else \
+                not head.weight.grad.any()
+            torch.testing.assert_close(head.weight.detach(), weight, rtol=0, atol=0)
+    assert precond.left_to_optimizer == {}  # (step 4 read the factors)
+
+
+@pytest.mark.parametrize("update_freq", [1, 2, 3])
+def test_a_second_step_after_one_backward_is_refused(update_freq):
+    """``step()`` twice after one backward: refused, the gradients and the running state as
+    the first call left them (with ``update_freq >= 2`` every second call was accepted: the
+    gradients preconditioned twice, the step count advanced twice); the next steps are those
+    of a KFAC that never saw the second call. float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    twin = copy.deepcopy(model)
+    precond, reference = (KFAC(m, damping=0.1, update_freq=update_freq) for m in (model, twin))
+    batches = [(torch.randn(8, 5, dtype=torch.double), torch.randint(0, 3, (8,)))
+               for _ in range(4)]
+    for step, (x, y) in enumerate(batches):
+        for net, p in ((model, precond), (twin, reference)):
+            net.zero_grad(set_to_none=step % 2 == 0)
+            F.cross_entropy(net(x), y).backward()
+            p.step()
+        grads = flat_grads(model.parameters()).clone()
+        with pytest.raises(psh.PerSampleHooksError, match="no backward since the last step"):
+            precond.step()
+        assert precond.steps == reference.steps == step + 1
+        torch.testing.assert_close(flat_grads(model.parameters()), grads, rtol=0, atol=0)
+        torch.testing.assert_close(grads, flat_grads(twin.parameters()), rtol=0, atol=0)
+
+
+def test_backprop_hess_again_after_a_skipped_step_reads_the_batch_stepped_on():
+    """``backprop_hess`` on a step the loop then skips (no ``step()``: a non-finite loss), then
+    on the next batch: the step uses that batch's factors (``factor_decay=0``: the latest
+    only). The second call did nothing, and the step used the skipped batch's. float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    read = []
+    precond = KFAC(model, factor_decay=0.0,
+                   factors=lambda m: read.append(compute_kfac(m)) or read[-1])
+    skipped, stepped = (torch.randn(8, 5, dtype=torch.double) for _ in range(2))
+    precond.backprop_hess(model(skipped), "CrossEntropy")
+    psh.clear_backprops(model)
+    output = model(stepped)
+    precond.backprop_hess(output, "CrossEntropy")
+    F.cross_entropy(output, torch.randint(0, 3, (8,))).backward()
+    precond.step()
+    inputs = torch.cat([stepped, torch.ones(8, 1, dtype=torch.double)], 1)
+    torch.testing.assert_close(precond.factors[model[0]][0][0], inputs.T @ inputs / 8,
+                               rtol=1e-12, atol=1e-14)
+    assert len(read) == 2
+    precond.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_damping_zero_with_a_singular_factor_is_refused_before_any_write(dtype):
+    """``damping=0`` with fewer samples than a layer's width: its factors are singular and the
+    solve divides by zero, NaN written into ``.grad`` with no error. Refused, every gradient
+    as the backward left it; with invertible factors ``damping=0`` is the solve
+    ``G^-1 M A^-1``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+    precond = KFAC(model, damping=0.0, kl_clip=None)
+    x, y = torch.randn(4, 5, dtype=dtype), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(x), y).backward()
+    raw = flat_grads(model.parameters()).clone()
+    with pytest.raises(FloatingPointError, match="damping=0"):
+        precond.step()
+    torch.testing.assert_close(flat_grads(model.parameters()), raw, rtol=0, atol=0)
+    single = nn.Linear(3, 2, bias=False).double()
+    precond = KFAC(single, damping=0.0, kl_clip=None)
+    x = torch.randn(64, 3, dtype=torch.double)
+    F.mse_loss(single(x), torch.randn(64, 2, dtype=torch.double)).backward()
+    a, g = kfac_by_hand(single)[single]
+    m = single.weight.grad.clone()
+    precond.step()
+    torch.testing.assert_close(single.weight.grad, torch.linalg.solve(g, m) @
+                               torch.linalg.inv(a), rtol=1e-8, atol=1e-10)
+
+
+def test_a_state_of_other_layer_sizes_is_refused_and_nothing_loaded():
+    """``load_state_dict`` of a state saved from a model with the same module names and other
+    layer sizes was accepted: every later step crashed inside the solve with a bare matmul
+    error. Refused naming the module and the shapes; the running state is untouched and the
+    next step works."""
+    torch.manual_seed(0)
+
+    def net(width: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3))
+    other, model = net(4), net(6)
+    saved = KFAC(other)
+    F.cross_entropy(other(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
+    saved.step()
+    precond = KFAC(model)
+    with pytest.raises(ValueError, match=r"factors of '0' have shapes .*\(6, 5\), \(6,\)"):
+        precond.load_state_dict(saved.state_dict())
+    assert precond.steps == 0 and not precond.factors
+    F.cross_entropy(model(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
+    precond.step()
+    assert precond.steps == 1 and set(precond.factors) == {model[0], model[2]}
+
+
+def test_gradient_accumulation_and_paused_hooks_are_explained_to_a_kfac_user():
+    """Two micro-batches before ``step()`` on a step that reads factors: the refusal is KFAC's
+    own (it named compute_kfac and advised calling it after each backward, which a KFAC user
+    cannot do) and the next step works; ``compute_grad1`` on a step whose hooks KFAC paused
+    says they are paused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    precond = KFAC(model, update_freq=2)
+    for _ in range(2):
+        F.cross_entropy(model(torch.randn(4, 5)), torch.randint(0, 3, (4,))).backward()
+    with pytest.raises(psh.PerSampleHooksError, match="KFAC.step.*clear_backprops"):
+        precond.step()
+    model.zero_grad()
+    F.cross_entropy(model(torch.randn(4, 5)), torch.randint(0, 3, (4,))).backward()
+    precond.step()
+    model.zero_grad()
+    F.cross_entropy(model(torch.randn(4, 5)), torch.randint(0, 3, (4,))).backward()
+    with pytest.raises(psh.PerSampleHooksError, match="hooks are disabled.*pause_hooks"):
+        psh.compute_grad1(model)
+    precond.step()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
