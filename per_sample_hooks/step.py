@@ -301,8 +301,10 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             if modified is not None:
                 kind, changed = modified
                 cause, then = ("an optimizer's step", "the step") if kind == "parameter" else (
-                    "another forward, as BatchNorm's running statistics in training mode,",
-                    "that forward")
+                    "another forward, as BatchNorm's running statistics in training mode, or "
+                    "the module's own forward hooks, as torch.ao's fake quantization of its "
+                    "output with its observer on,", "that forward (or freeze that state: "
+                    "model.apply(torch.ao.quantization.disable_observer))")
                 raise PerSampleHooksError(
                     f"{caller}: {kind} '{changed}' of '{name}' ({type(module).__name__}) "
                     f"was changed in place after the forward (by {cause} before {caller}?). Its "

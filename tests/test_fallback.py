@@ -1052,13 +1052,117 @@ class Decaying(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_unit_that_changes_a_parameter_in_place_is_refused_naming_it(dtype):
+@pytest.mark.parametrize("unit", ["0", ""])
+def test_a_unit_that_changes_a_parameter_in_place_is_refused_naming_it(unit, dtype):
+    """Named by the unit's path and, below it, the changing module's (it named the class
+    only: five such modules of one class could not be told apart)."""
     model = nn.Sequential(Decaying(), nn.Linear(4, 2)).to(dtype)
-    with psh.add_hooks(model, units=["0"]):
+    whose = "its forward" if unit else r"the forward of its '0' \(Decaying\)"
+    with psh.add_hooks(model, units=[unit]):
         model(torch.randn(3, 4, dtype=dtype)).sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"Decaying: its forward changes its "
-                           r"parameter 'scale' in place"):
+        with pytest.raises(psh.PerSampleHooksError, match=rf"a unit of the torch.func fallback: "
+                           rf"{whose} changes the parameter 'scale' in place"):
             psh.compute_grad1(model)
+
+
+class RunningScale(nn.Module):
+    """Updates a buffer at each call from its weight (a weight observer's moving range) and
+    divides by it: no statistic over the batch, but a state each call moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("range", torch.ones(()))
+        self.observing = True
+
+    def forward(self, x):
+        if self.observing:
+            with torch.no_grad():
+                self.range.mul_(0.5).add_(self.lin.weight.abs().max() * 0.5)
+        return self.lin(x) / self.range
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_unit_whose_forward_updates_a_state_is_refused_naming_the_state(dtype):
+    """A unit that moves a buffer at each call (torch.ao's fake quantization with its observer
+    on): re-run from the state the batch's forward left, each sample gets another output. The
+    refusal names the buffer and says to freeze the state (it blamed the batch or random
+    numbers and advised model.eval(), which does not stop an observer); the buffer is as the
+    forward left it, and frozen, the unit is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningScale(), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    psh.add_hooks(model, units=["0"])
+    try:
+        model(torch.randn(5, 4, dtype=dtype)).square().sum().backward()
+        left = model[0].range.clone()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'0' \(RunningScale\), a unit .* "
+                           r"its re-runs changed its buffers 'range' in place: .* Freeze that "
+                           r"state .*disable_observer"):
+            psh.compute_grad1(model)
+        assert torch.equal(model[0].range, left)
+    finally:
+        psh.remove_hooks(model)
+    model[0].observing = False
+    assert_matches_loop(model, [torch.randn(5, 4)], units=["0"])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_torch_ao_quantization_aware_training_with_observers_on_and_frozen(fused):
+    """torch.ao's eager QAT (``prepare_qat``; its fake quantization runs in float32 only):
+    with the observers on, once the weights moved, the qat layers as units are refused naming
+    their observers' buffers (train mode; the fused fake quantization writes them with no new
+    version: its re-runs left them moved), or the output observer's buffer changed after the
+    forward (eval mode, which does not stop the observers); with the observers frozen
+    (``disable_observer``) every quantity is exact against the loop at the same state."""
+    ao = pytest.importorskip("torch.ao.quantization")
+    torch.manual_seed(0)
+    model = nn.Sequential(ao.QuantStub(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3),
+                          ao.DeQuantStub())
+    model.qconfig = ao.get_default_qat_qconfig("x86") if fused else ao.default_qat_qconfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao.prepare_qat(model, inplace=True)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    psh.add_hooks(model, units=["1", "3"])
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(3):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if step < 2:
+                psh.clear_backprops(model)
+                optimizer.step()
+                continue
+            state = {n: b.clone() for n, b in model.named_buffers()}
+            with pytest.raises(psh.PerSampleHooksError, match=r"'1' \(Linear\), a unit .*its "
+                               r"re-runs changed its buffers 'weight_fake_quant\..*disable_obs"):
+                psh.compute_grad1(model)
+            for n, b in model.named_buffers():
+                assert torch.equal(b, state[n]), n
+        model.eval()
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'1' \(Linear\).*(re-runs changed "
+                           r"its buffers|was changed in place after the forward .*fake "
+                           r"quantization).*disable_observer"):
+            psh.compute_grad1(model)
+        model.train().apply(ao.disable_observer)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    finally:
+        psh.remove_hooks(model)
+    expected = {n: [] for n, p in model.named_parameters()}
+    for i in range(8):
+        grads = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]),
+                                    list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), grads):
+            expected[n].append(g)
+    for n, g in got.items():
+        torch.testing.assert_close(g, torch.stack(expected[n]), rtol=1e-4, atol=1e-6)
+    flat = torch.cat([torch.stack(g).flatten(1) for g in expected.values()], 1)
+    torch.testing.assert_close(norms, flat.norm(dim=1), rtol=1e-4, atol=1e-6)
 
 
 class BatchNormByFormula(nn.BatchNorm2d):

@@ -383,27 +383,40 @@ def registrations_kept(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def values_kept(module: nn.Module) -> Iterator[None]:
+def values_kept(module: nn.Module, who: str) -> Iterator[Callable[[], list[str]]]:
     """The values of the unit's buffers as they were before its re-runs (one updated in place,
-    a count of calls, is copied back once they are over). A parameter changed in place cannot
-    be restored: refused, whatever else the re-runs raised."""
-    versions = [(sub, name, p, p._version) for sub in module.modules()
+    a count of calls, is copied back once they are over); gives a function that names those
+    the re-runs changed so far. A parameter changed in place cannot be restored: refused,
+    whatever else the re-runs raised."""
+    versions = [(prefix, sub, name, p, p._version) for prefix, sub in module.named_modules()
                 for name, p in sub._parameters.items() if p is not None]
-    copies = [(b, b._version, b.clone()) for b in module.buffers()]
+    copies = [(name, b, b._version, b.clone()) for name, b in module.named_buffers()]
+
+    def changed() -> list[str]:  # (by value too: torch.ao's fused fake quantization writes
+        return [name for name, b, version, copy in copies  # its buffers with no new version)
+                if b._version != version or not _same_values(b, copy)]
     try:
-        yield
+        yield changed
     finally:
         with torch.no_grad():
-            for buffer, version, copy in copies:
-                if buffer._version != version:
+            for _, buffer, version, copy in copies:
+                if buffer._version != version or not _same_values(buffer, copy):
                     buffer.copy_(copy)
-        for sub, name, parameter, version in versions:
+        for prefix, sub, name, parameter, version in versions:
             if parameter._version != version:
+                whose = f"the forward of its '{prefix}' ({type(sub).__name__})" if prefix \
+                    else "its forward"
                 raise PerSampleHooksError(
-                    f"{type(sub).__name__}: its forward changes its parameter {name!r} in "
-                    "place; the torch.func fallback re-runs that forward and cannot restore "
+                    f"{who}, a unit of the torch.func fallback: {whose} changes the parameter "
+                    f"{name!r} in place; the fallback re-runs that forward and cannot restore "
                     "the value. Give the module a rule, or change the parameter outside its "
                     "forward")
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Equal, NaN where NaN (a buffer left uninitialized)."""
+    return torch.equal(a, b) or (a.is_floating_point() and bool(
+        torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
 
 
 @contextlib.contextmanager
@@ -586,14 +599,13 @@ def call_grad1(module: nn.Module, call: Call, params: dict[str, nn.Parameter],
     forward = recorded_forward(module, {handle.id for handle in handles})
     try:
         with torch.enable_grad(), without_cudnn(bool(recurrent)), \
-                power_iterations_off(module), values_kept(module), \
+                power_iterations_off(module), values_kept(module, who) as changed, \
                 conversions_checked(module):
             alone, grads, failure = vmapped_or_looped()
             with torch.no_grad():
                 batched = _kept_outputs(call, out_leaves, alone) or \
                     outputs(call.args, call.kwargs, trainable)
-                _outputs_agree(who, batched, alone, out_specs,
-                               failure is not None)
+                _outputs_agree(who, batched, alone, out_specs, failure is not None, changed())
     finally:
         for handle in handles:
             handle.remove()
@@ -679,13 +691,14 @@ def _kept_outputs(call: Call, leaves: list[int], alone: list[Tensor]) -> list[Te
 
 
 def _outputs_agree(who: str, batched: list[Tensor], alone: list[Tensor],
-                   dims: list[int], looped: bool) -> None:
+                   dims: list[int], looped: bool, changed: Sequence[str] = ()) -> None:
     """Refuse a unit whose samples, re-run alone (``looped``: one at a time, else under
     ``vmap``), give other outputs than the batch did: its forward depends on the batch (a
     statistic over the batch, ``y - y.mean(0)``; a branch on a batch-wide value,
-    ``if x.sum() > 0``; a limit on tokens per expert) or draws random numbers, so its
-    per-sample gradients are not those of the step. Each output is compared within
-    ``sqrt(eps)`` of its largest entry (rounding of batched against single kernels)."""
+    ``if x.sum() > 0``; a limit on tokens per expert), draws random numbers, or updates a
+    state at each call (the buffers the re-runs ``changed``), so its per-sample gradients are
+    not those of the step. Each output is compared within ``sqrt(eps)`` of its largest entry
+    (rounding of batched against single kernels)."""
     for j, (whole, parts, dim) in enumerate(zip(batched, alone, dims)):
         if whole.shape[dim] == 1 and whole.shape[:dim] + whole.shape[dim + 1:] == \
                 parts.shape[:dim] + parts.shape[dim + 1:]:
@@ -701,6 +714,17 @@ def _outputs_agree(who: str, batched: list[Tensor], alone: list[Tensor],
             if not (gap > torch.finfo(whole.dtype).eps ** 0.5 * largest).any():
                 continue
         how = "one at a time (vmap cannot batch it)" if looped else "under torch.func.vmap"
+        if changed:
+            shown = ", ".join(map(repr, changed[:3])) + (" ..." if len(changed) > 3 else "")
+            raise PerSampleHooksError(
+                f"{who}, a unit of the torch.func fallback, gives sample {b} another output {j} "
+                f"when re-run alone, {how}, than in the batch ({off}), and its re-runs changed "
+                f"its buffers {shown} in place: its forward updates a state at each call (an "
+                "observer's range, as torch.ao's fake quantization with its observer on; "
+                "running statistics), so the samples re-run from the state the batch left get "
+                "other outputs, and the step's outputs depend on what came before them. Freeze "
+                "that state for the steps that take per-sample quantities (after calibrating, "
+                "model.apply(torch.ao.quantization.disable_observer); BatchNorm: eval mode)")
         raise PerSampleHooksError(
             f"{who}, a unit of the torch.func fallback, gives sample {b} "
             f"another output {j} when re-run alone, {how}, than in the batch ({off}): its "
