@@ -466,6 +466,7 @@ class _Forward:
 
     # --------------------------------------------------------------- the module's own ops
 
+    @torch.compiler.disable  # (see capture.ModelCallHook)
     def apply(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         inputs = _leaves(args, kwargs, Tensor)
         if any(id(t) in self.uses.descendants and t.requires_grad for t in inputs):
