@@ -331,9 +331,11 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     ``create_graph=True``; its seed, a constant, does not require grad) is noted
     in ``owner.status.create_graph``. ``copy``: each gradient is kept as a copy (one the
     backward below aliases: :meth:`Rule.aliases_output_gradient
-    <per_sample_hooks.rules.base.Rule.aliases_output_gradient>`).
+    <per_sample_hooks.rules.base.Rule.aliases_output_gradient>`). A hook the user registers on
+    ``leaf`` after the forward runs after this one: the gradient it leaves takes the captured
+    one's place (:class:`FollowedHooks`).
     """
-    register = Tensor.register_hook if compiling else add_tensor_hook
+    follow = None if compiling else (sink, copy)
 
     def arrived(grad: Tensor | None) -> None:
         if grad is None:  # an unused output of a node with several (a cuDNN RNN's h_n)
@@ -354,7 +356,7 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
 
     base = gradient_tensor(leaf)
     if base is leaf:  # the hook itself: one frame per arrival
-        register(leaf, arrived)
+        add_tensor_hook(leaf, arrived, follow)
         return [arrived]
 
     def view_hook(grad: Tensor | None) -> None:
@@ -371,29 +373,66 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
             arrived(as_view_of(grad, shape, strides))
 
     fired = [False]
-    register(leaf, view_hook)
-    register(base, base_hook)
+    add_tensor_hook(leaf, view_hook, follow)
+    add_tensor_hook(base, base_hook, follow)
     return [view_hook, base_hook]
 
 
-def add_tensor_hook(tensor: Tensor, hook: Callable[[Tensor], None]) -> None:
+def add_tensor_hook(tensor: Tensor, hook: Callable[[Tensor], None],
+                    follow: tuple[list[Tensor], bool] | None = None) -> None:
     """``tensor.register_hook(hook)`` for a hook that is never removed (it lives as long as the
     graph): the same steps, without the handle, the dispatch check and the import that are
     most of ``register_hook``'s cost (about 4 us of a captured call's 10 on a small model). The
-    table is an ``OrderedDict``, as ``register_hook`` makes it, so that later hooks (the
-    user's) are added to it as usual; the key is the hook itself (``register_hook``'s keys are
-    integers). A tensor subclass (``__torch_function__``) goes through ``register_hook``."""
-    if type(tensor) is not Tensor:
+    table is an ``OrderedDict`` (a :class:`FollowedHooks`, given ``follow``: the list the hook
+    appends to, and whether it keeps copies), so that later hooks (the user's) are added to it
+    as usual; the key is the hook itself (``register_hook``'s keys are integers). A tensor
+    subclass (``__torch_function__``), or ``follow`` None (under ``torch.compile``), goes
+    through ``register_hook``."""
+    if type(tensor) is not Tensor or follow is None:
         tensor.register_hook(hook)
         return
     if not tensor.requires_grad:
         raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
     hooks = tensor._backward_hooks
     if hooks is None:
-        hooks = tensor._backward_hooks = OrderedDict()
+        hooks = tensor._backward_hooks = FollowedHooks()
+        hooks.sinks = [follow]
         if tensor.grad_fn is not None:
             tensor.grad_fn._register_hook_dict(tensor)
-    hooks[hook] = hook
+    elif type(hooks) is FollowedHooks:
+        hooks.sinks.append(follow)
+    OrderedDict.__setitem__(hooks, hook, hook)
+
+
+class FollowedHooks(OrderedDict):
+    """The table of a captured output's tensor hooks (``tensor._backward_hooks``). Autograd
+    calls them in order, each with the gradient the one before left, and goes on with what the
+    last leaves: a hook the user registers on the output after the forward (``h.register_hook(
+    lambda g: g * c)``, a gradient reversal, a schedule's scale) runs after the library's, so
+    each is wrapped as it is registered to put the gradient it leaves (returns, or changes in
+    place) in the place of the one the library's hooks before it captured (``sinks``: the lists
+    they append to, and whether they keep copies)."""
+
+    __slots__ = ("sinks",)
+    sinks: list[tuple[list[Tensor], bool]]
+
+    def __setitem__(self, key: object, hook: Callable) -> None:
+        if self.sinks:
+            hook = _followed(hook, list(self.sinks))
+        super().__setitem__(key, hook)
+
+
+def _followed(hook: Callable, sinks: list[tuple[list[Tensor], bool]]) -> Callable:
+    """``hook``, then the gradient it leaves in the place of the last one in each of ``sinks``
+    (for the pass that just gave it one)."""
+    def followed(grad: Tensor) -> Tensor | None:
+        result = hook(grad)
+        left = grad if result is None else result
+        for sink, copy in sinks:
+            if sink:
+                sink[-1] = left.clone() if copy else left
+        return result
+    return followed
 
 
 def gradient_tensor(leaf: Tensor) -> Tensor:

@@ -147,6 +147,88 @@ def test_user_tensor_hooks_on_captured_outputs_run_and_come_off(dtype):
 
 
 
+class OutputGradientHooked(nn.Module):
+    """A user's hook on a hooked layer's output, registered in the forward after the layer ran
+    (a gradient reversal, a schedule's scale, a weight per sample): autograd goes on with
+    the gradient it leaves. ``tokens``: the layer sees ``[B, T, d]`` (its output is a view)."""
+
+    def __init__(self, change, tokens: bool):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.change, self.tokens = change, tokens
+
+    def forward(self, x):
+        h = self.l1(x)
+        weights = 1 + x.flatten(1)[:, 0].abs()  # (each sample's own)
+        h.register_hook(partial(self.change, weights=weights.view(-1, *[1] * (h.dim() - 1))))
+        out = self.l2(torch.tanh(h))
+        return out.sum(1) if self.tokens else out
+
+
+def reversed_gradient(g, weights):
+    return -0.5 * g
+
+
+def halved_in_place(g, weights):
+    g.mul_(0.5)
+
+
+def rows_weighted(g, weights):  # (linear: B times a sample's share is its own gradient)
+    return g * weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("tokens", [False, True])
+@pytest.mark.parametrize("change", [reversed_gradient, halved_in_place, rows_weighted])
+def test_a_users_hook_changing_an_output_gradient_is_followed(change, tokens, dtype):
+    """The library's hook on the output ran before the user's, so it captured the gradient
+    before the change, while autograd gave the layer's parameters the changed one: grad1,
+    norms and clipping silently off by the hook's factor (refused on a checked float64 step,
+    as a use outside the forward; not caught on unchecked steps). Each later hook is
+    followed: exact against the float64 loop over three steps (the default check's unchecked
+    ones included), and a DPSGD step (noise 0) over two batches, the second's backward
+    stopping at the outputs, is the loop's."""
+    torch.manual_seed(0)
+    model = OutputGradientHooked(change, tokens).to(dtype)
+    reference = copy.deepcopy(model).double()
+    shape = (6, 5, 4) if tokens else (6, 4)
+    tolerance = loop_tolerance(dtype)
+    psh.add_hooks(model)
+    try:
+        for _ in range(3):
+            x = torch.randn(*shape, dtype=dtype)
+            model.zero_grad(set_to_none=True)
+            weighted_square(model(x)).mean().backward()
+            norms = psh.compute_norms(model)
+            psh.compute_grad1(model)
+            expected = loop_grads(reference, [x.double()], weighted_square, 6)
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad1.double(), expected[n], **tolerance)
+            flat = torch.cat([g.flatten(1) for g in expected.values()], 1)
+            torch.testing.assert_close(norms.double(), flat.norm(dim=1), **tolerance)
+    finally:
+        psh.remove_hooks(model)
+    dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                   max_grad_norm=0.3, dataset_size=12, batch_size=6, accountant=None)
+    try:
+        for _ in range(2):
+            x = torch.randn(*shape, dtype=dtype)
+            reference.load_state_dict(model.state_dict())
+            expected = loop_grads(reference, [x.double()], weighted_square, 6)
+            flat = torch.cat([g.flatten(1) for g in expected.values()], 1)
+            factor = (0.3 / (flat.norm(dim=1) + 1e-6)).clamp(max=1.0)
+            before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+            dp.zero_grad()
+            dp.backward(weighted_square(model(x)).mean())
+            dp.step()
+            for n, p in model.named_parameters():
+                step = torch.einsum("b,b...->...", factor, expected[n]) / 6
+                torch.testing.assert_close(p.detach().double(), before[n] - step, **tolerance)
+    finally:
+        dp.close()
+        psh.remove_hooks(model)
+
+
 def steer(module, args, output):  # activation steering: a new output
     return output * 2.0 - 0.5
 
