@@ -545,19 +545,63 @@ class BroadcastOutput(Tensor):
                 isinstance(t, BroadcastOutput) for t in (*args[3:], kwargs.get("src"))):
             raise _refused_at_once(views[0], name, "reads it row by row through an index")
         with torch._C.DisableTorchFunctionSubclass():
+            if name.rstrip("_") in _POINTWISE:
+                args, kwargs = _aligned_at_the_batch(args, kwargs)
             try:
                 result = func(*args, **kwargs)
             except (RuntimeError, IndexError) as error:
                 raise _refused_at_once(views[0], name, f"failed ({error})",
                                        _other_rows(views[0], args, kwargs)) from error
-        if not name.startswith("new_") and name != "_base":  # (factories: not derived from
-            for view in views:  # the view; _base: torch.compile's tracing reads it)
-                module, dim, batch, status = view.expanded
-                if _picks_batch_rows(name, args, kwargs, view, dim) or any(
-                        isinstance(t, Tensor) and (t.dim() <= dim or t.shape[dim] != batch)
-                        for t in tree_flatten(result)[0]):
-                    status.broadcast_misuse = status.broadcast_misuse or (module, name)
-        return result
+        if name.startswith("new_") or name == "_base":  # (factories: not derived from the
+            return result  # view; _base: torch.compile's tracing reads it)
+        for view in views:
+            module, dim, batch, status = view.expanded
+            if _picks_batch_rows(name, args, kwargs, view, dim) or any(
+                    isinstance(t, Tensor) and (t.dim() <= dim or t.shape[dim] != batch)
+                    for t in tree_flatten(result)[0]):
+                status.broadcast_misuse = status.broadcast_misuse or (module, name)
+                return result
+        return _still_expanded(result, args, kwargs, views[0].expanded)
+
+
+def _still_expanded(result: object, args: tuple, kwargs: dict,
+                     expanded: tuple[str, int, int, StepStatus]) -> object:
+    """``result`` of an op on expanded outputs and on no other tensor with the batch's rows
+    (``1 + e``, ``e * scale``, ``F.linear(e, w)``): its copies are equal too, and it is watched
+    as they are (wrapped), so that its later uses are aligned and checked as theirs."""
+    _, dim, batch, _ = expanded
+    if any(isinstance(t, Tensor) and not isinstance(t, BroadcastOutput) and t.dim() > dim
+           and t.shape[dim] == batch for t in tree_flatten((args, kwargs))[0]):
+        return result  # met the samples' own tensors: per sample from here on
+    return tree_map(lambda t: BroadcastOutput.wrap(t, *expanded) if type(t) is Tensor else t,
+                    result)
+
+
+_POINTWISE = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "where", "maximum", "minimum", "pow", "lerp",
+    "addcmul", "addcdiv", "masked_fill", "__add__", "__radd__", "__sub__", "__rsub__",
+    "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__pow__", "__rpow__"})
+"""Ops that broadcast their tensor arguments against each other, entry by entry."""
+
+
+def _aligned_at_the_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of a pointwise op with each expanded output (batch dim 0) that has fewer
+    dims than the widest argument given singleton dims after its batch dim: broadcasting
+    aligns trailing dims, so the model's ``h [B, T, D] + e [1, D]`` broadcasts ``e`` over
+    ``B`` and ``T``, but expanded to ``[B, D]`` its samples would meet the positions (an
+    error, or silently the wrong rows where ``T == B``); as ``[B, 1, D]`` they meet the
+    samples."""
+    width = max(t.dim() for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
+
+    def narrow(t: object) -> bool:
+        return isinstance(t, BroadcastOutput) and t.dim() < width and t.expanded[1] == 0
+
+    def aligned(t: object) -> object:
+        return t.reshape(t.shape[0], *[1] * (width - t.dim()), *t.shape[1:]) if narrow(t) \
+            else t
+    if not any(map(narrow, tree_flatten((args, kwargs))[0])):
+        return args, kwargs
+    return tree_map(aligned, (args, kwargs))
 
 
 _SCATTERS_FROM = frozenset({"scatter", "scatter_add", "scatter_reduce"})

@@ -88,6 +88,26 @@ class RepeatedPositions(nn.Module):
         return self.out((tokens + positions).tanh().mean((2, 3)))
 
 
+class StepEmbedding(nn.Module):
+    """A universal transformer's per-step embedding, ``[1, d]``, added to (or scaling) the
+    ``[B, T, d]`` activations: broadcast over the samples and the positions. Expanded to
+    ``[B, d]``, its samples met the positions: refused where ``T != B``, silently the wrong
+    rows where ``T == B``."""
+
+    def __init__(self, op: str = "add", dim=4, steps=3):
+        super().__init__()
+        self.inp, self.cell, self.out = nn.Linear(3, dim), nn.Linear(dim, dim), nn.Linear(dim, 2)
+        self.step = nn.Embedding(steps, dim)
+        self.op, self.steps = op, steps
+
+    def forward(self, x):
+        h = self.inp(x)
+        for t in range(self.steps):
+            e = self.step(torch.tensor([t]))
+            h = torch.tanh(self.cell(h + e if self.op == "add" else h * (1 + e)))
+        return self.out(h.mean(1))
+
+
 CASES = {
     "positions": (BroadcastPositions, lambda g: [torch.randint(0, 9, (5, 6), generator=g)]),
     "positions-in-place": (lambda: BroadcastPositions(in_place=True),
@@ -98,6 +118,11 @@ CASES = {
     "repeated-positions": (RepeatedPositions, lambda g: [torch.randn(5, 3, 8, 8, generator=g)]),
     "tiled-positions": (lambda: RepeatedPositions("tile"),
                         lambda g: [torch.randn(5, 3, 8, 8, generator=g)]),
+    "step-embedding": (StepEmbedding, lambda g: [torch.randn(5, 6, 3, generator=g)]),
+    "step-embedding-as-many-positions-as-samples": (
+        StepEmbedding, lambda g: [torch.randn(5, 5, 3, generator=g)]),
+    "step-embedding-scaling": (lambda: StepEmbedding("mul"),
+                               lambda g: [torch.randn(5, 5, 3, generator=g)]),
 }
 
 
@@ -113,7 +138,8 @@ def test_broadcast_calls_match_the_loop(case, loss_type):
 
 
 @pytest.mark.parametrize("case", ["positions", "positions-called-with-the-batch",
-                                  "repeated-positions"])
+                                  "repeated-positions", "step-embedding",
+                                  "step-embedding-as-many-positions-as-samples"])
 def test_float32_matches_the_loop(case):
     make, inputs = CASES[case]
     torch.manual_seed(0)
@@ -288,23 +314,42 @@ class ScatteredRow(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("use", ["index_copy_", "scatter_add_", "index_copy_ past the view"])
 def test_an_expanded_output_written_by_an_index_is_refused(use, dtype):
-    """Refused in the forward naming the module and the op; past the view, the model's own
-    error gets a note naming the expansion and units=. The next step is refused the same
-    way (the model mixes its samples: one sample's row is computed from the rest, no unit
-    can make it per sample)."""
+    """Refused in the forward naming the module and the op, past the view too (a tensor
+    computed from it alone, ``row * 2``, is watched as the view is; the model's own error
+    got a note naming the expansion). The next step is refused the same way (the model mixes
+    its samples: one sample's row is computed from the rest, no unit can make it per
+    sample)."""
     torch.manual_seed(0)
     model, x = ScatteredRow(use).to(dtype), torch.randn(5, 3, dtype=dtype)
+    op = use.split()[0]
     with psh.add_hooks(model):
         for _ in range(2):
-            if use == "index_copy_ past the view":
-                with pytest.raises(IndexError) as raised:
-                    model(x)
-                assert re.search(r"'mlp' was called with batch size 1 .*units=",
-                                 "".join(raised.value.__notes__))
-            else:
-                with pytest.raises(psh.PerSampleHooksError,
-                                   match=rf"'mlp' was called .*model's {use} on it.*units="):
-                    model(x)
+            with pytest.raises(psh.PerSampleHooksError,
+                               match=rf"'mlp' was called .*model's {op} on it.*units="):
+                model(x)
+
+
+class IndexedPastTheView(nn.Module):
+    """The expanded output meets the batch, and the result is written by an index that fits
+    one row only (an error of the model's own code, past the view: its note names the
+    expansion, which may be the cause)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("coords", torch.randn(1, 3))
+        self.inp, self.mlp = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):  # x [B, 3]
+        h = self.inp(x) + self.mlp(self.coords)
+        return torch.zeros(2, 3, dtype=x.dtype).index_copy_(0, torch.tensor([0]), h)
+
+
+def test_an_error_of_the_model_past_the_view_gets_a_note_naming_the_expansion():
+    model = IndexedPastTheView()
+    with psh.add_hooks(model), pytest.raises(IndexError) as raised:
+        model(torch.randn(5, 3))
+    assert re.search(r"'mlp' was called with batch size 1 .*units=",
+                     "".join(raised.value.__notes__))
 
 
 class SlicedPositions(nn.Module):
