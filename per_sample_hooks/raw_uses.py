@@ -486,7 +486,10 @@ class _Forward:
             out = func(*args, **kwargs)
             if batched:
                 self.add_results(func, args, kwargs, inputs, out)
-            if tracked:
+            if not tracked and not torch.is_grad_enabled():  # (a Function's later ops)
+                values = next((self.unseen[id(t)][1] for t in inputs if id(t) in self.unseen),
+                              "")
+            if values:
                 self.unseen.update((id(o), (o, values)) for o in _outputs(out))
             return out
         moved = next((self.moved[id(t)] for t in inputs if id(t) in self.moved), None)

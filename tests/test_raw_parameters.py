@@ -858,10 +858,71 @@ class CustomFunction(nn.Module):
         return torch.tanh(Scale.apply(self.lin(x), self.gamma))
 
 
+class LeakySlope(torch.autograd.Function):
+    """A learnable-slope activation, ``where(x > 0, x, a * x)``: two ops in its forward, the
+    second on a value of the parameter only (its apply is no torch function)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, a):
+        return torch.where(x > 0, x, a * x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a = ctx.saved_tensors
+        return torch.where(x > 0, grad, a * grad), \
+            torch.where(x > 0, 0 * grad, grad * x).sum_to_size(a.shape)
+
+
+class LearnedSlope(nn.Module):
+    def __init__(self, dim: int = 3):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.linspace(0.1, 0.4, dim))
+
+    def forward(self, x):
+        return LeakySlope.apply(x, self.alpha)
+
+
+class LearnedSlopeAfterChild(LearnedSlope):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.tanh(LeakySlope.apply(self.lin(x), self.alpha))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("check_unseen", [True, False])
+def test_a_parameter_through_a_custom_function_of_several_ops_goes_to_the_fallback(
+        check_unseen, dtype):
+    """A childless module passing its raw parameter to a custom autograd Function whose
+    forward takes two ops: the Function's output was not known to come from the parameter
+    (only the first op's was), so the call was followed as one without a use: its grad1
+    zeros, refused by the check as samples coupled, silent without it. It is the fallback's
+    unit: exact against the float64 loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3), LearnedSlope(), nn.Linear(3, 2)).to(dtype)
+    x = torch.randn(5, 6, dtype=dtype)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 5)
+    with psh.add_hooks(model, check_unseen=check_unseen):
+        weighted_square(model(x)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
 REFUSALS = {
     TokenOnConstant: r"'cls_token' together with the batch in `cat`",
     CustomFunction: r"'gamma' in a computation whose gradient .* custom "
                     r"torch.autograd.Function\?\), then in `tanh`",
+    LearnedSlopeAfterChild: r"'alpha' in a computation whose gradient .* custom "
+                            r"torch.autograd.Function\?\), then in `tanh`",
     ComputedWeight: r"'weight'.*together with the batch in `matmul`",
     NoTranspose: r"'weight'.*together with the batch in `matmul`",
     PassedToChild: r"passes a value of its raw parameter\(s\) 'pos' to a call of its child 'lin'",
