@@ -407,3 +407,44 @@ def test_a_last_offset_short_of_the_input_is_refused(mode, dtype):
         with pytest.raises(psh.PerSampleHooksError, match=r"'EmbeddingBag' \(EmbeddingBag, "
                            r"include_last_offset=True\) got offsets ending at 4 for 6 indices"):
             psh.compute_grad1(bag)
+
+
+class StepEmbedded(nn.Module):
+    """A per-step embedding looked up by a 0-dim index (``[d]``) or, as the refusal says, by
+    ``index.unsqueeze(0)`` (``[1, d]``: broadcast over the batch)."""
+
+    def __init__(self, dim: int, unsqueezed: bool):
+        super().__init__()
+        self.inp, self.step, self.out = nn.Linear(3, dim), nn.Embedding(3, dim), nn.Linear(dim, 2)
+        self.unsqueezed = unsqueezed
+
+    def forward(self, x):
+        h = self.inp(x)
+        for t in range(2):
+            index = torch.tensor(t)
+            h = torch.tanh(h + self.step(index.unsqueeze(0) if self.unsqueezed else index))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dim", [4, 6])
+def test_a_lookup_of_a_0_dim_index_is_refused_naming_the_missing_batch_dim(dim, dtype):
+    """``emb(torch.tensor(t))`` gives one row ``[d]``, no batch: an IndexError inside the rule
+    where ``d`` is the batch size, else refused as positions merged into the batch. Refused
+    saying the batch dim is missing; with the index unsqueezed, exact against the loop."""
+    torch.manual_seed(0)
+    model, x = StepEmbedded(dim, unsqueezed=False).to(dtype), torch.randn(4, 3, dtype=dtype)
+    with psh.add_hooks(model):
+        model(x).square().sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'step' \(Embedding\) got an input "
+                           r"of shape \(\), without a batch dim .*unsqueeze\(0\)"):
+            psh.compute_grad1(model)
+    model.unsqueezed = True
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()],
+                          lambda out: out.square().sum(1), 4)
+    with psh.add_hooks(model):
+        model.zero_grad()
+        model(x).square().sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..capture import Call
 from ..errors import PerSampleHooksError
 from ..forms import Form, Rows
-from .base import Rule, register_rule
+from .base import Rule, refuse_unbatched, register_rule
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
@@ -84,6 +84,7 @@ class EmbeddingRule(RowsRule):
 
     def check(self, module: nn.Embedding, calls: Sequence[Call], name: str) -> None:
         refuse_frequency_scaling(module, name)
+        refuse_unbatched(module, calls, name, 0)  # (a 0-dim index: one row, [d])
 
     def aliases_output_gradient(self, module: nn.Embedding) -> bool:
         return module.sparse
