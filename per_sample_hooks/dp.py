@@ -405,9 +405,14 @@ class DPSGD:
     def zero_grad(self) -> None:
         """The optimizer's ``zero_grad(set_to_none=True)``; forgets the outputs recorded for
         :meth:`backward` (an unused forward's; between forward and backward, the backward is
-        then an ordinary one)."""
+        then an ordinary one), and the records of a backward no step took (a GAN's generator
+        step through the private discriminator, ``D(G(z))``: the next batch starts clean, as
+        Opacus' ``zero_grad`` drops its per-sample gradients)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.output_edges.clear()
+        status = get_state(self.model).status
+        if status.backward_seen and not status.consumed:
+            clear_backprops(self.model)
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` without the parameter gradients, which :meth:`step` rebuilds

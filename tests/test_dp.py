@@ -995,3 +995,55 @@ def test_saving_mid_batch_or_into_another_kind_of_dpsgd_is_refused():
         unaccounted.load_state_dict(state)
     assert unaccounted.steps == 0  # refused before anything was loaded
     unaccounted.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_gan_whose_generator_step_runs_through_the_private_discriminator(dtype):
+    """DP-GAN: the discriminator trained with DPSGD (noise 0), the generator's step through
+    it with its hooks on (``D(G(z))``, the natural code). The generator step's records were
+    left in the discriminator's hooks, and the next batch, started with ``dp.zero_grad()``,
+    was refused as a second micro-batch: ``zero_grad`` drops them. Each discriminator step
+    is the clipped mean of its per-sample gradients (real and fake of each sample), from the
+    float64 loop."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)).to(dtype)
+    discriminator = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1)).to(dtype)
+    dp = DPSGD(discriminator, torch.optim.SGD(discriminator.parameters(), lr=0.5),
+               noise_multiplier=0.0, max_grad_norm=0.3, dataset_size=12, batch_size=6,
+               accountant=None)
+    generator_optimizer = torch.optim.SGD(generator.parameters(), lr=0.1)
+    bce = nn.functional.binary_cross_entropy_with_logits
+
+    def sample_losses(d, real, fake):
+        r, f = d(real), d(fake)
+        return (bce(r, torch.ones_like(r), reduction="none") +
+                bce(f, torch.zeros_like(f), reduction="none")).sum(1)
+
+    try:
+        for _ in range(3):
+            real, z = torch.randn(6, 6, dtype=dtype), torch.randn(6, 4, dtype=dtype)
+            fake = generator(z).detach()
+            reference = copy.deepcopy(discriminator).double()
+            psh.remove_hooks(reference)
+            grads = [torch.autograd.grad(sample_losses(reference, real[i:i + 1].double(),
+                                                       fake[i:i + 1].double()).sum(),
+                                         list(reference.parameters())) for i in range(6)]
+            norms = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in grads])
+            factors = (0.3 / (norms + 1e-6)).clamp(max=1.0)
+            expected = [p.detach().double() - 0.5 * sum(f * gs[k] for f, gs in
+                                                         zip(factors, grads)) / 6
+                        for k, p in enumerate(discriminator.parameters())]
+            dp.zero_grad()
+            dp.backward(sample_losses(discriminator, real, fake).mean())
+            dp.step()
+            for p, want in zip(discriminator.parameters(), expected):
+                torch.testing.assert_close(p.detach().double(), want,
+                                           **({} if dtype == torch.float64 else
+                                              dict(rtol=1e-4, atol=1e-6)))
+            generator_optimizer.zero_grad()
+            out = discriminator(generator(torch.randn(6, 4, dtype=dtype)))
+            bce(out, torch.ones_like(out)).backward()  # D's hooks on: records left in them
+            generator_optimizer.step()
+    finally:
+        dp.close()
+        psh.remove_hooks(discriminator)
