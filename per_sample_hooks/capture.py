@@ -803,6 +803,9 @@ class StepStatus:
     row_subset: tuple[str, int, int] | None = None
     # the first module whose output of size 1 was expanded over the batch in this step
     expanded: str | None = None
+    # calls of hooked modules in this step with the hooks disabled and grad mode on: not
+    # recorded (where their outputs reach the loss, the unseen-use check's refusal says so)
+    disabled_calls: int = 0
     # the first module called on a nested (ragged) tensor: not recorded
     nested: str | None = None
     # backward passes that backprop_hess ran through hooked outputs (each a column of the
@@ -912,6 +915,9 @@ class HookState:
         # callback counts them: the records are scanned only after some graph went away)
         self._graphs_freed = [0]
         self._on_graph_freed = partial(_count_freed, self._graphs_freed)
+        # calls of hooked modules with the hooks disabled and grad mode on since the last step
+        # ended, before the next began (see StepStatus.disabled_calls)
+        self.disabled_calls = 0
         for module in modules:
             self.handles.append(module.register_forward_hook(  # first: the module's output
                 ForwardHook(self, module), with_kwargs=True, prepend=True))
@@ -935,6 +941,11 @@ class HookState:
                      output: Any) -> Any:
         """Record a call of ``owner`` (see :class:`ForwardHook`)."""
         if module is not owner or not self.enabled or not torch.is_grad_enabled():
+            if not self.enabled and torch.is_grad_enabled():  # (told by the check's refusal)
+                if self.status.consumed:  # (the next step's, if it is its first call)
+                    self.disabled_calls += 1
+                else:
+                    self.status.disabled_calls += 1
             return  # the cheap tests first: this runs on every call of every hooked module
         compiling = torch.compiler.is_compiling()
         if _not_recorded_here(compiling):
@@ -1132,7 +1143,8 @@ class HookState:
         self.storage.end_step()
         for reset in self.listeners.on_clear:
             reset()
-        self.status = StepStatus()
+        self.status = StepStatus(disabled_calls=self.disabled_calls)
+        self.disabled_calls = 0
 
     def remove(self) -> None:
         """Remove every hook, captured tensor, buffer and ``grad1``/``hess`` attribute."""

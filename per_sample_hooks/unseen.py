@@ -451,9 +451,11 @@ class UnseenUseCheck:
         if unseen:
             i, key = unseen[0], keys[unseen[0]]
             fraction = float(gaps[i].max() / sizes[i].clamp_min(1e-300))
+            state = self._state
             raise_unseen(self.owners[key], users.get(key, ()), fraction,
-                         key in self.taken_unnoted, self._state.model,
-                         [self.owners[keys[j]] for j in unseen[1:]])
+                         key in self.taken_unnoted, state.model,
+                         [self.owners[keys[j]] for j in unseen[1:]],
+                         state.status.disabled_calls > 0)
         self.schedule.checked_one(captured_structure(self._state),
                                   seconds + self.hook_seconds + time.perf_counter() - start)
 
@@ -657,12 +659,13 @@ def holder_of(model: nn.Module | None, name: str) -> str:
 
 def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
                  taken_unnoted: bool = False, model: nn.Module | None = None,
-                 others: Sequence[str] = ()) -> None:
+                 others: Sequence[str] = (), disabled_calls: bool = False) -> None:
     """``fraction``: the gap relative to the gradient; None for a gradient that autograd
     accumulated in place before any hooked output's (:meth:`UnseenUseCheck._arm`);
     ``taken_unnoted``: the parameter's ``.grad`` was taken as the step's own without a note
     of the step's start (:meth:`UnseenUseCheck._start`); ``others``: the other parameters
-    with such a term."""
+    with such a term; ``disabled_calls``: hooked modules ran in the step with their hooks
+    disabled."""
     owners = " and ".join(f"'{u}'" for u in users) or "no hooked module"
     how = (f"its gradient differs by {fraction:.0%} from the hooked contributions"
            if fraction is not None else "autograd added to its .grad before any hooked "
@@ -707,6 +710,13 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
             fix += (". Or a term of the loss reads it (a regularizer): leave that out of the "
                     "loss the per-sample quantities are taken of")
     also = f", and so do {', '.join(repr(o) for o in others)}" if others else ""
+    if disabled_calls:
+        fix = ("hooked modules ran in this step with their hooks disabled (disable_hooks; "
+               "psh.optim.KFAC's pause on the steps that read no factors), and their calls "
+               "were not recorded: where their outputs reach the loss (a GAN's fake batch "
+               "through the discriminator), their terms are unseen. Run them with the hooks "
+               "on, or under torch.no_grad() (detach what the loss does not differentiate). "
+               "Else " + fix)
     raise PerSampleHooksError(
         f"parameter '{name}' has a gradient term that no hook sees ({how}){also}: {fix}"
         + (

@@ -633,3 +633,43 @@ def test_a_parameter_replaced_after_add_hooks_is_checked(replace, dtype):
                 torch.testing.assert_close(p.grad1.double(), expected[n],
                                            **loop_tolerance(dtype))
         psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("first", [False, True])
+def test_a_call_with_the_hooks_disabled_reaching_the_loss_is_named(first, dtype):
+    """A discriminator's fake batch run with its hooks disabled (``first``: before the step's
+    recorded call) whose output reaches the loss: refused (its term is in ``.grad``, in no
+    per-sample row), saying that calls ran with the hooks disabled (it blamed a use outside
+    the forward and advised units=, which cannot help); with the hooks on, exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+    real, fake = torch.randn(5, 6, dtype=dtype), torch.randn(5, 6, dtype=dtype)
+
+    def loss(r, f):
+        return (r - f).square().sum()
+
+    with psh.add_hooks(model):
+        for _ in range(2):
+            if first:
+                psh.disable_hooks(model)
+                f = model(fake)
+                psh.enable_hooks(model)
+            r = model(real)
+            if not first:
+                psh.disable_hooks(model)
+                f = model(fake)
+                psh.enable_hooks(model)
+            loss(r, f).backward()
+            with pytest.raises(psh.PerSampleHooksError, match=r"no hook sees .*hooks disabled "
+                               r"\(disable_hooks"):
+                psh.compute_grad1(model, loss_type="sum")
+            model.zero_grad()
+        pair = torch.stack([real, fake], 1)  # [B, 2, 6]: each sample's real and fake rows
+        loss(*model(pair).unbind(1)).backward()
+        psh.compute_grad1(model, loss_type="sum")
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    expected = loop_grads(copy.deepcopy(model).double(), [pair.double()],
+                          lambda out: (out[:, 0] - out[:, 1]).square().sum(1), 5)
+    for n, g in got.items():
+        torch.testing.assert_close(g.double(), expected[n], **loop_tolerance(dtype))
