@@ -544,9 +544,27 @@ class BroadcastOutput(Tensor):
         if name.rstrip("_") in _SCATTERS_FROM and any(
                 isinstance(t, BroadcastOutput) for t in (*args[3:], kwargs.get("src"))):
             raise _refused_at_once(views[0], name, "reads it row by row through an index")
+        if args and isinstance(args[0], BroadcastOutput) and _writes_in_place(name) and \
+                args[0].stride(args[0].expanded[1]) == 0:
+            raise _refused_at_once(args[0], name, "writes into it in place (every sample's "
+                                   "copy is one memory location)")
+        if name in _ALONG_A_DIM and args and isinstance(args[0], BroadcastOutput) and \
+                _along_the_batch(name, args, kwargs, args[0].dim(), args[0].expanded[1]):
+            raise _refused_at_once(args[0], name, "works along its batch dim (over the "
+                                   "samples' copies: other values, or the samples' gradients "
+                                   "given to other copies)")
+        if name == "linear" and isinstance(kwargs.get("weight", args[1:2] and args[1]),
+                                           BroadcastOutput):
+            raise _refused_at_once(views[0], name, "takes it as a weight (expanded, the "
+                                   "weight of every sample at once)")
         with torch._C.DisableTorchFunctionSubclass():
-            if name.rstrip("_") in _POINTWISE:
-                args, kwargs = _aligned_at_the_batch(args, kwargs)
+            if name.rstrip("_") in _BROADCASTING:
+                args, kwargs = _aligned_at_the_batch(args, kwargs, name)
+            elif name == "einsum":
+                args = _aligned_in_einsum(args)
+            elif name in ("expand", "expand_as", "broadcast_to") and len(args) > 1 and \
+                    isinstance(args[0], BroadcastOutput):
+                args = (_aligned_to(args[0], _target_dims(name, args)), *args[1:])
             try:
                 result = func(*args, **kwargs)
             except (RuntimeError, IndexError) as error:
@@ -561,47 +579,137 @@ class BroadcastOutput(Tensor):
                     for t in tree_flatten(result)[0]):
                 status.broadcast_misuse = status.broadcast_misuse or (module, name)
                 return result
-        return _still_expanded(result, args, kwargs, views[0].expanded)
+        return _still_expanded(result, args, kwargs, views[0])
 
 
-def _still_expanded(result: object, args: tuple, kwargs: dict,
-                     expanded: tuple[str, int, int, StepStatus]) -> object:
-    """``result`` of an op on expanded outputs and on no other tensor with the batch's rows
-    (``1 + e``, ``e * scale``, ``F.linear(e, w)``): its copies are equal too, and it is watched
-    as they are (wrapped), so that its later uses are aligned and checked as theirs."""
-    _, dim, batch, _ = expanded
-    if any(isinstance(t, Tensor) and not isinstance(t, BroadcastOutput) and t.dim() > dim
-           and t.shape[dim] == batch for t in tree_flatten((args, kwargs))[0]):
+def _still_expanded(result: object, args: tuple, kwargs: dict, view: BroadcastOutput
+                     ) -> object:
+    """``result`` of an op on expanded outputs and on no other tensor with the batch's rows,
+    one tensor of ``view``'s shape (``1 + e``, ``e * scale``, ``e.tanh()``) or ``e`` times a
+    weight (``F.linear(e, w)``, ``e @ w``): its copies are equal too, and it is watched as they
+    are (wrapped), so that its later uses are aligned and checked as theirs. Any other result
+    is left as it is (``e.mean(0)`` may have ``B`` rows by chance: ``T == B``)."""
+    _, dim, batch, _ = view.expanded
+    if type(result) is not Tensor or any(
+            isinstance(t, Tensor) and not isinstance(t, BroadcastOutput) and t.dim() > dim
+            and t.shape[dim] == batch for t in tree_flatten((args, kwargs))[0]):
         return result  # met the samples' own tensors: per sample from here on
-    return tree_map(lambda t: BroadcastOutput.wrap(t, *expanded) if type(t) is Tensor else t,
-                    result)
+    if result.shape == view.shape or (
+            _times_a_weight(args, view) and result.dim() == view.dim()):
+        return BroadcastOutput.wrap(result, *view.expanded)
+    return result
 
 
-_POINTWISE = frozenset({
-    "add", "sub", "mul", "div", "true_divide", "where", "maximum", "minimum", "pow", "lerp",
-    "addcmul", "addcdiv", "masked_fill", "__add__", "__radd__", "__sub__", "__rsub__",
-    "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__pow__", "__rpow__"})
-"""Ops that broadcast their tensor arguments against each other, entry by entry."""
+def _times_a_weight(args: tuple, view: BroadcastOutput) -> bool:
+    """Whether an op's arguments are ``view`` and a weight of at most two dims (``F.linear(e,
+    w)``, ``e @ w``): each copy of ``view`` times the same weight."""
+    return len(args) >= 2 and args[0] is view and isinstance(args[1], Tensor) and \
+        not isinstance(args[1], BroadcastOutput) and args[1].dim() <= 2
 
 
-def _aligned_at_the_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments of a pointwise op with each expanded output (batch dim 0) that has fewer
-    dims than the widest argument given singleton dims after its batch dim: broadcasting
+_BROADCASTING = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "where", "maximum", "minimum", "max", "min",
+    "pow", "lerp", "addcmul", "addcdiv", "masked_fill", "clamp", "clip", "atan2", "arctan2",
+    "hypot", "fmax", "fmin", "logaddexp", "logaddexp2", "copysign", "xlogy", "remainder",
+    "fmod", "floor_divide", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+    "logical_xor", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+    "__truediv__", "__rtruediv__", "__pow__", "__rpow__", "__floordiv__", "__mod__", "__eq__",
+    "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__or__", "matmul",
+    "__matmul__", "__rmatmul__"})
+"""Ops that broadcast their tensor arguments against each other (entry by entry; matmul over
+its batch dims, each operand's last two dims a matrix)."""
+
+_ALONG_A_DIM = frozenset({
+    "sum", "mean", "nansum", "nanmean", "prod", "std", "var", "amax", "amin", "max", "min",
+    "argmax", "argmin", "median", "logsumexp", "all", "any", "norm", "cumsum", "cumprod",
+    "cummax", "cummin", "logcumsumexp", "softmax", "log_softmax", "softmin", "normalize",
+    "sort", "argsort", "flip", "roll", "diff"})
+"""Ops that reduce, scan or reorder their first argument along the dims their ``dim`` (or
+``dims``) argument names."""
+
+
+def _along_the_batch(name: str, args: tuple, kwargs: dict, ndim: int, dim: int) -> bool:
+    """Whether ``name`` reduces, scans or reorders its first argument, of ``ndim`` dims,
+    along its batch dim ``dim`` (``e.mean(0)``, ``e.flip(0)``, ``e.softmax(0)``): its result
+    may keep the batch's size there (``T == B``, or all of it), and either its values differ
+    from the unexpanded output's (``cumsum``) or the samples' gradients reach other copies."""
+    dims = kwargs.get("dim", kwargs.get("dims"))
+    if dims is None:  # positional: (x, dim) -- (x, p, dim) for norm/normalize, roll's shifts
+        at = {"norm": 2, "normalize": 2, "roll": 2}.get(name, 1)
+        dims = args[at] if len(args) > at else None
+    if name in ("flip", "roll") and dims is None:  # roll without dims: flattened
+        return name == "roll"
+    if isinstance(dims, int):
+        dims = (dims,)
+    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) for d in dims):
+        return False  # (a reduction over every dim drops the batch: told by its shape)
+    return any(d % ndim == dim for d in dims)
+
+
+def _target_dims(name: str, args: tuple) -> int:
+    """The number of dims ``expand``, ``expand_as`` or ``broadcast_to`` gives its first
+    argument."""
+    target = args[1]
+    if isinstance(target, Tensor):
+        return target.dim()
+    return len(target) if isinstance(target, (tuple, list, torch.Size)) else len(args) - 1
+
+
+def _aligned_to(view: BroadcastOutput, width: int) -> Tensor:
+    """``view`` (batch dim 0) with singleton dims after its batch dim up to ``width`` dims, as
+    :func:`_aligned_at_the_batch` gives it to a wider tensor (an explicit ``expand`` to that
+    shape aligns the trailing dims as broadcasting does)."""
+    if view.expanded[1] != 0 or view.dim() >= width or view.dim() < 1:
+        return view
+    return view.reshape(view.shape[0], *[1] * (width - view.dim()), *view.shape[1:])
+
+
+def _aligned_in_einsum(args: tuple) -> tuple:
+    """``einsum``'s operands with each expanded output (batch dim 0) whose subscripts begin
+    with ``...`` given singleton dims after its batch dim, as many as another operand's
+    ``...`` has more (the ellipsis dims broadcast, aligned at their right: see
+    :func:`_aligned_at_the_batch`)."""
+    if not args or not isinstance(args[0], str) or "..." not in args[0]:
+        return args
+    listed = len(args) == 2 and isinstance(args[1], (list, tuple))
+    operands = list(args[1] if listed else args[1:])
+    subscripts = args[0].split("->")[0].replace(" ", "").split(",")
+    if len(subscripts) != len(operands):
+        return args
+    spans = [t.dim() - len(sub.replace("...", "")) if "..." in sub else None
+             for t, sub in zip(operands, subscripts)]
+    widest = max((n for n in spans if n is not None), default=0)
+    for k, (t, sub, span) in enumerate(zip(operands, subscripts, spans)):
+        if isinstance(t, BroadcastOutput) and sub.startswith("...") and 0 < span < widest:
+            operands[k] = _aligned_to(t, t.dim() + widest - span)
+    return (args[0], operands) if listed else (args[0], *operands)
+
+
+def _writes_in_place(name: str) -> bool:
+    """``fill_``, ``masked_fill_``, ``t[i] = v``, ``+=``: an op that writes into its first
+    argument."""
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or \
+        (name.startswith("__i") and name[3:-2] in {"add", "sub", "mul", "truediv", "pow",
+                                                     "and", "or", "floordiv", "mod"})
+
+
+def _aligned_at_the_batch(args: tuple, kwargs: dict, name: str) -> tuple[tuple, dict]:
+    """The arguments of a broadcasting op with each expanded output (batch dim 0) that has
+    fewer dims than the widest argument given singleton dims after its batch dim: broadcasting
     aligns trailing dims, so the model's ``h [B, T, D] + e [1, D]`` broadcasts ``e`` over
     ``B`` and ``T``, but expanded to ``[B, D]`` its samples would meet the positions (an
     error, or silently the wrong rows where ``T == B``); as ``[B, 1, D]`` they meet the
-    samples."""
+    samples. (matmul: an operand of two dims or more, a matrix broadcast over the other's
+    batch dims, a learned query ``[1, K, d]`` against keys ``[B, H, T, d]``.)"""
     width = max(t.dim() for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
+    least = 2 if "matmul" in name else 1
 
     def narrow(t: object) -> bool:
-        return isinstance(t, BroadcastOutput) and t.dim() < width and t.expanded[1] == 0
+        return isinstance(t, BroadcastOutput) and least <= t.dim() < width
 
-    def aligned(t: object) -> object:
-        return t.reshape(t.shape[0], *[1] * (width - t.dim()), *t.shape[1:]) if narrow(t) \
-            else t
     if not any(map(narrow, tree_flatten((args, kwargs))[0])):
         return args, kwargs
-    return tree_map(aligned, (args, kwargs))
+    return tree_map(lambda t: _aligned_to(t, width) if narrow(t) else t, (args, kwargs))
 
 
 _SCATTERS_FROM = frozenset({"scatter", "scatter_add", "scatter_reduce"})
@@ -1266,10 +1374,13 @@ class ModelCallHook:
     def after(self, module: nn.Module, args: tuple, output: object) -> None:
         """The model's forward hook, called even when the forward raised: an error of the
         model's own code on an output expanded over the batch (an ``index_copy_`` of it, past
-        an op that made it a plain tensor) gets a note naming the expansion."""
+        an op that made it a plain tensor) gets a note naming the expansion, and ends the step
+        (the next forward starts clean, not refused for what this one recorded)."""
         error, state = sys.exc_info()[1], self.state
         expanded = state.status.expanded if error is not None and state is not None and \
             not state.status.consumed else None
+        if expanded:
+            state.end_step()
         if expanded and hasattr(error, "add_note") and \
                 not isinstance(error, PerSampleHooksError):
             error.add_note(

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from norms_truth import assert_clipping_matches, assert_norms_match
 from torch import nn
 
@@ -493,3 +494,176 @@ def test_a_second_call_of_the_model_with_one_row_is_left_as_is_and_refused(model
         for n, p in model.named_parameters():  # (float32: entries of 1e-15 come out 1e-6)
             torch.testing.assert_close(p.grad1.double(), expected[n], rtol=1e-4,
                                        atol=1e-11 if dtype == torch.float64 else 1e-5)
+
+
+class BroadcastBy(nn.Module):
+    """A step embedding ``[1, d]`` (``e``) meeting the ``[B, T, d]`` activations ``h`` through
+    an op that broadcasts it: its samples must meet the samples, not the positions."""
+
+    OPS = {
+        "atan2": lambda h, e: torch.atan2(h, e + 2),
+        "max": lambda h, e: torch.max(h, e),
+        "clamp": lambda h, e: torch.clamp(h, min=e),
+        "einsum": lambda h, e: torch.einsum("...d,...d->...", h, e).unsqueeze(-1) * h,
+        "expand_as": lambda h, e: h * e.expand_as(h),
+        "broadcast_to": lambda h, e: h * torch.broadcast_to(e, h.shape),
+        "scaled then added": lambda h, e: h + (1 + e).tanh(),
+    }
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.inp, self.step, self.out = nn.Linear(3, 4), nn.Embedding(2, 4), nn.Linear(4, 2)
+        self.op = self.OPS[op]
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(torch.tanh(self.op(h, self.step(torch.tensor([1])))))
+
+
+class LearnedQuery(nn.Module):
+    """A learned query ``[1, K, d]`` (an Embedding of ``arange(K)[None]``) through a Linear,
+    attending over each sample's keys ``[B, H, T, d]`` by a broadcasting matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys, self.query, self.proj = nn.Linear(3, 8), nn.Embedding(2, 4), nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):  # x [B, T, 3]
+        keys = self.keys(x).unflatten(-1, (2, 4)).transpose(1, 2)  # [B, 2 heads, T, 4]
+        query = self.proj(self.query(torch.arange(2)[None]))  # [1, 2, 4], expanded
+        scores = (query.unsqueeze(1) @ keys.transpose(-1, -2)).softmax(-1)  # [B, 2, 2, T]
+        return self.out((scores @ keys).mean((1, 2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("positions", [4, 5])
+@pytest.mark.parametrize("op", [*BroadcastBy.OPS, "learned query"])
+def test_ops_that_broadcast_an_expanded_output_against_a_wider_tensor(op, positions, dtype):
+    """Each op broadcasting the expanded ``[B, d]`` against ``[B, T, d]`` met the positions
+    with its samples (silently wrong rows where ``T == B``, refused otherwise): aligned at the
+    batch, as are ``expand_as`` / ``broadcast_to`` to the wider shape, ``einsum``'s ``...``
+    and matmul's batch dims (a learned query: its Linear crashed in compute_* on the
+    view's shape, a tuple). The hooked forward is the plain one; exact against the loop."""
+    torch.manual_seed(0)
+    model = (LearnedQuery() if op == "learned query" else BroadcastBy(op)).to(dtype)
+    x = torch.randn(4, positions, 3, dtype=dtype)
+    plain = model(x)
+    expected = loop_grads(copy.deepcopy(model).double(), [x.double()], weighted_square, 4)
+    with psh.add_hooks(model):
+        out = model(x)  # (float32: a batched matmul's rounding)
+        torch.testing.assert_close(out, plain, **loop_tolerance(dtype))
+        weighted_square(out).mean().backward()
+        norms = psh.compute_norms(model)
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+    flat = torch.cat([g.flatten(1) for g in expected.values()], 1)
+    torch.testing.assert_close(norms.double(), flat.norm(dim=1), **loop_tolerance(dtype))
+
+
+class AlongTheBatch(nn.Module):
+    """Positions ``[1, T, d]`` reduced, scanned or reordered along dim 0 before they meet the
+    batch: on the unexpanded output harmless (a size-1 dim), on the expanded one the samples'
+    gradients would reach other copies, or the forward change (with ``T == B`` the shapes
+    cannot tell)."""
+
+    OPS = {"mean(0)": lambda e: e.mean(0), "flip(0)": lambda e: e.flip(0),
+           "roll": lambda e: e.roll(1, 0), "cumsum(0)": lambda e: e.cumsum(0),
+           "softmax(0)": lambda e: e.softmax(0)}
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(9, 4), nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 2)
+        self.op = self.OPS[op]
+
+    def forward(self, ids):
+        h = self.tokens(ids)
+        positions = self.positions(torch.arange(ids.shape[1])[None])
+        return self.out(torch.tanh(h + self.op(positions)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("op", list(AlongTheBatch.OPS))
+def test_ops_along_the_batch_dim_of_an_expanded_output_are_refused(op, dtype):
+    """With as many positions as samples (``T == B``): the result kept the batch's size, was
+    taken for a broadcast (``mean(0)``: wrapped again and realigned, a changed forward), gave
+    other copies the samples' gradients (``flip``: silently) or other values (``cumsum``).
+    Refused in the forward naming the op; the next step, with the positions used as a
+    broadcast, is exact."""
+    torch.manual_seed(0)
+    model, ids = AlongTheBatch(op).to(dtype), torch.randint(0, 9, (5, 5))
+    name = op.split("(")[0]
+    with psh.add_hooks(model):
+        with pytest.raises(psh.PerSampleHooksError, match=rf"'positions' .*model's {name} on "
+                           r"it works along its batch dim"):
+            model(ids)
+        model.op = lambda e: e
+        expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 5)
+        model.zero_grad()
+        weighted_square(model(ids)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+class WritesInto(nn.Module):
+    """Positions written into in place, or taken as a Linear's weight, before they meet the
+    batch: on the expanded view every sample's copy is one memory location (a scalar write
+    ran, and the backward failed with torch's error), and as a weight ``[B, d]`` the output
+    had ``B`` columns (a changed forward, accepted)."""
+
+    OPS = {"fill_": lambda e, h: e.fill_(0.5), "zero_": lambda e, h: e.zero_(),
+           "__setitem__": lambda e, h: e.__setitem__((slice(None), 0), 0.0),
+           "masked_fill_": lambda e, h: e.masked_fill_(e > 0, 0.0),
+           "linear": lambda e, h: F.linear(h, e)}
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(9, 4), nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 2)
+        self.op = self.OPS[op]
+
+    def forward(self, ids):
+        h = self.tokens(ids)
+        weight = self.op is WritesInto.OPS["linear"]  # ([1, d]: a weight of one output)
+        positions = self.positions(torch.tensor([0]) if weight else
+                                   torch.arange(ids.shape[1])[None])
+        written = self.op(positions, h)
+        return self.out(torch.tanh(h + written if written.dim() == 3 else h))
+
+
+@pytest.mark.parametrize("op", list(WritesInto.OPS))
+def test_writes_into_an_expanded_output_are_refused_in_the_forward(op):
+    """Refused in the forward naming the op; the next step (positions added) is exact."""
+    torch.manual_seed(0)
+    model, ids = WritesInto(op).double(), torch.randint(0, 9, (5, 6))
+    with psh.add_hooks(model):
+        with pytest.raises(psh.PerSampleHooksError, match=rf"'positions' .*model's {op} on it "
+                           r"(writes into it in place|takes it as a weight)"):
+            model(ids)
+        model.op = lambda e, h: e
+        expected = loop_grads(copy.deepcopy(model), [ids], weighted_square, 5)
+        weighted_square(model(ids)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[n], rtol=1e-9, atol=1e-11)
+
+
+def test_a_forward_that_fails_after_an_expansion_ends_the_step():
+    """The model's own error after an op that dropped the expanded output's batch dim (only
+    recorded, refused by compute_*): the step is over, and the next forward, corrected, is
+    not refused for what the failed one recorded."""
+    torch.manual_seed(0)
+    model, ids = AlongTheBatch("mean(0)").double(), torch.randint(0, 9, (5, 6))
+    model.op = lambda e: e.reshape(1, -1, 4)  # [1, B * T, 4]: the add fails
+    with psh.add_hooks(model):
+        with pytest.raises(RuntimeError, match="must match"):
+            model(ids)
+        model.op = lambda e: e
+        expected = loop_grads(copy.deepcopy(model), [ids], weighted_square, 5)
+        weighted_square(model(ids)).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1, expected[n], rtol=1e-9, atol=1e-11)
