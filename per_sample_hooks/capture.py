@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache, partial, wraps
 from typing import Any
 
 import torch
@@ -335,7 +335,7 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
     ``leaf`` after the forward runs after this one: the gradient it leaves takes the captured
     one's place (:class:`FollowedHooks`).
     """
-    follow = None if compiling else (sink, copy)
+    follow = None if compiling else [sink, copy, False]  # (True: a later hook follows)
 
     def arrived(grad: Tensor | None) -> None:
         if grad is None:  # an unused output of a node with several (a cuDNN RNN's h_n)
@@ -351,8 +351,8 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
             if call is not None:
                 if call[1].recomputed:  # reentrant checkpointing's recomputed outputs
                     owner.reentrant_checkpointing = True
-                if owner.listeners.on_gradient is not None:
-                    owner.listeners.on_gradient(*call)
+                if owner.listeners.on_gradient is not None and not (follow and follow[2]):
+                    owner.listeners.on_gradient(*call)  # (not before a later hook's change)
 
     base = gradient_tensor(leaf)
     if base is leaf:  # the hook itself: one frame per arrival
@@ -379,12 +379,13 @@ def capture_gradient(leaf: Tensor, sink: list[Tensor], owner: HookState | None =
 
 
 def add_tensor_hook(tensor: Tensor, hook: Callable[[Tensor], None],
-                    follow: tuple[list[Tensor], bool] | None = None) -> None:
+                    follow: list | None = None) -> None:
     """``tensor.register_hook(hook)`` for a hook that is never removed (it lives as long as the
     graph): the same steps, without the handle, the dispatch check and the import that are
     most of ``register_hook``'s cost (about 4 us of a captured call's 10 on a small model). The
     table is an ``OrderedDict`` (a :class:`FollowedHooks`, given ``follow``: the list the hook
-    appends to, and whether it keeps copies), so that later hooks (the user's) are added to it
+    appends to, whether it keeps copies, and whether a later hook follows it: set by the
+    table), so that later hooks (the user's) are added to it
     as usual; the key is the hook itself (``register_hook``'s keys are integers). A tensor
     subclass (``__torch_function__``), or ``follow`` None (under ``torch.compile``), goes
     through ``register_hook``."""
@@ -411,20 +412,24 @@ class FollowedHooks(OrderedDict):
     lambda g: g * c)``, a gradient reversal, a schedule's scale) runs after the library's, so
     each is wrapped as it is registered to put the gradient it leaves (returns, or changes in
     place) in the place of the one the library's hooks before it captured (``sinks``: the lists
-    they append to, and whether they keep copies)."""
+    they append to, whether they keep copies, and whether a later hook follows them, which
+    leaves the call to be formed when its gradients are read, not on arrival)."""
 
     __slots__ = ("sinks",)
-    sinks: list[tuple[list[Tensor], bool]]
+    sinks: list[list]
 
     def __setitem__(self, key: object, hook: Callable) -> None:
         if self.sinks:
-            hook = _followed(hook, list(self.sinks))
+            for follow in self.sinks:
+                follow[2] = True
+            hook = _followed(hook, [tuple(follow[:2]) for follow in self.sinks])
         super().__setitem__(key, hook)
 
 
 def _followed(hook: Callable, sinks: list[tuple[list[Tensor], bool]]) -> Callable:
     """``hook``, then the gradient it leaves in the place of the last one in each of ``sinks``
     (for the pass that just gave it one)."""
+    @wraps(hook)  # (autograd's messages name the user's hook)
     def followed(grad: Tensor) -> Tensor | None:
         result = hook(grad)
         left = grad if result is None else result
@@ -1000,6 +1005,7 @@ class HookState:
         self.model_batch_dim = 0
         self.options: dict[str, object] = {}  # add_hooks' arguments, as it resolved them
         self.warned_global_hooks = False  # GLOBAL_HOOKS_WARNING given
+        self.warned_parameter_hooks: set[int] = set()  # ids of parameters warned of (step.py)
         # ids of those inputs (a layer called on one is called on the batch, no model tensor)
         self.model_input_ids: set[int] = set()
         # the most rows (along its batch dim) among the tensor inputs of each of those calls,

@@ -347,6 +347,7 @@ class DPSGD:
                 self.noise_multiplier, batch_size)
         # the model changed last, once every argument is accepted (a refusal leaves it as it was)
         self.output_edges = OutputEdges(model, form_on_arrival=True)
+        self.zeroed: object = None  # the step status zero_grad() dropped the records of
         if self.ddp:
             distributed.skip_gradient_allreduce(model)
 
@@ -410,9 +411,10 @@ class DPSGD:
         Opacus' ``zero_grad`` drops its per-sample gradients)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.output_edges.clear()
-        status = get_state(self.model).status
-        if status.backward_seen and not status.consumed:
+        state = get_state(self.model)
+        if state.status.backward_seen and not state.status.consumed:
             clear_backprops(self.model)
+            self.zeroed = state.status  # (a step() with no forward since: told so)
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()`` without the parameter gradients, which :meth:`step` rebuilds
@@ -457,6 +459,11 @@ class DPSGD:
                 actual = distributed.reduce_clipped(distributed.trainable_grads(self.model), 0,
                                                     self.loss_type)
         else:
+            if get_state(self.model).status is self.zeroed:
+                raise PerSampleHooksError(
+                    "DPSGD: dp.zero_grad() ran after this batch's backward and dropped its "
+                    "records (it starts a batch: call it before the forward). Run the "
+                    "forward and backward again")
             if get_state(self.model).status.released_by is not None:
                 raise PerSampleHooksError(
                     "DPSGD: no forward and backward ran since the last step, whose clipping "

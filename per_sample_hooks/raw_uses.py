@@ -466,7 +466,6 @@ class _Forward:
 
     # --------------------------------------------------------------- the module's own ops
 
-    @torch.compiler.disable  # (see capture.ModelCallHook)
     def apply(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         inputs = _leaves(args, kwargs, Tensor)
         if any(id(t) in self.uses.descendants and t.requires_grad for t in inputs):
@@ -828,6 +827,7 @@ class RawUses(TorchFunctionMode):
         finished, self.finished = self.finished, ([], Uses([]))
         return finished
 
+    @torch.compiler.disable  # (the owner's own ops only: its callees run without the mode)
     def __torch_function__(self, func: Callable[..., Any], types: tuple, args: tuple = (),
                            kwargs: dict | None = None) -> object:
         kwargs = kwargs or {}
@@ -866,6 +866,7 @@ class RawUses(TorchFunctionMode):
         forward.check_output(output)
         self.finished = (forward.watched, forward.record)
 
+    @torch.compiler.disable  # (see capture.ModelCallHook)
     def before_callee(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         forward = self.forward
         if forward is None:
@@ -877,6 +878,7 @@ class RawUses(TorchFunctionMode):
                 self.suspended = True
         self.depth += 1
 
+    @torch.compiler.disable
     def after_callee(self, module: nn.Module, args: tuple, output: object) -> None:
         forward = self.forward
         if forward is None or not self.depth:

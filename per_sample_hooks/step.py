@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -37,7 +38,7 @@ from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
 from .rules.raw_parameters import OWN_UNIT_ADVICE
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
-from .unseen import N_PROBES, HookedSums, holder_of, hooked_parameters
+from .unseen import N_PROBES, HookedSums, holder_of, hooked_parameters, user_parameter_hooks
 from .vision_language import (
     ImagelessSamples,
     images_not_per_sample_error,
@@ -133,6 +134,24 @@ def _layer_parameters(state: HookState, module: nn.Module
     return params, dtype, frozen
 
 
+def _warn_of_parameter_hooks(state: HookState, module: str,
+                             params: dict[str, nn.Parameter]) -> None:
+    """Warn, once per parameter, of a gradient hook the user registered on it: it changes
+    ``.grad`` after autograd computed it, which the per-sample quantities do not follow (a
+    hook that only reads, a logger's, changes nothing; the unseen-use check refuses a change
+    on the steps it runs)."""
+    for local, p in params.items():
+        if p._backward_hooks is not None and id(p) not in state.warned_parameter_hooks and \
+                user_parameter_hooks(p):
+            state.warned_parameter_hooks.add(id(p))
+            warnings.warn(
+                f"per_sample_hooks: parameter '{module}.{local}' has a gradient hook "
+                "(p.register_hook): if it changes the gradient (a mask, a scale), the "
+                "per-sample quantities do not include the change; apply it to them (grad1, "
+                "the clipped sum) instead. A hook that only reads the gradient is fine",
+                stacklevel=7)
+
+
 def complex_parameter_error(parameter: str, dtype: torch.dtype) -> str:
     """The refusal of a complex ``parameter`` (by ``add_hooks`` or ``compute_*``)."""
     return (
@@ -192,6 +211,12 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "would be summed as if each were a loss of its own: not supported. Take such "
             "per-sample gradients with torch.func (vmap of grad), or run that backward on an "
             "unhooked copy of the model")
+    if status.consumed and state.disabled_calls and any(state.calls.values()):
+        raise PerSampleHooksError(
+            f"{caller}: the hooked modules ran with their hooks disabled (disable_hooks) since "
+            "the step whose records are left: their calls were not recorded, and per-sample "
+            "quantities of those records would be the earlier step's. Run the forward and "
+            "backward with the hooks on (enable_hooks) before computing them")
     if status.transformed is not None:
         raise PerSampleHooksError(
             f"{caller}: '{status.transformed}' was called inside a torch.func transform (vmap, "
@@ -286,6 +311,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                 "uses, not of the parameters it is computed from. Reparametrize before "
                 "add_hooks (remove_hooks(model), then add_hooks(model): the module becomes one "
                 "unit of the torch.func fallback)")
+        _warn_of_parameter_hooks(state, name, params)
         with_grads = []
         for call in calls:
             if call.shared_input is not None and call.has_grads:

@@ -412,6 +412,7 @@ class UnseenUseCheck:
                 value, size = value + totals[key], size + sizes[key]
             totals[key], sizes[key] = value, size
             self.hook_seconds += time.perf_counter() - start
+        hook.armed_by_check = True  # (not the user's: user_parameter_hooks)
         return hook
 
     def verify(self, hooked: HookedSums, users: Mapping[int, Sequence[str]],
@@ -455,7 +456,8 @@ class UnseenUseCheck:
             raise_unseen(self.owners[key], users.get(key, ()), fraction,
                          key in self.taken_unnoted, state.model,
                          [self.owners[keys[j]] for j in unseen[1:]],
-                         state.status.disabled_calls > 0)
+                         state.status.disabled_calls > 0,
+                         user_parameter_hooks(self.params[key]))
         self.schedule.checked_one(captured_structure(self._state),
                                   seconds + self.hook_seconds + time.perf_counter() - start)
 
@@ -657,15 +659,23 @@ def holder_of(model: nn.Module | None, name: str) -> str:
     return path
 
 
+def user_parameter_hooks(p: Tensor) -> bool:
+    """Whether ``p`` holds a gradient hook of the user's (``p.register_hook``), not one the
+    check armed."""
+    return any(not getattr(hook, "armed_by_check", False)
+               for hook in (p._backward_hooks or {}).values())
+
+
 def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
                  taken_unnoted: bool = False, model: nn.Module | None = None,
-                 others: Sequence[str] = (), disabled_calls: bool = False) -> None:
+                 others: Sequence[str] = (), disabled_calls: bool = False,
+                 parameter_hooks: bool = False) -> None:
     """``fraction``: the gap relative to the gradient; None for a gradient that autograd
     accumulated in place before any hooked output's (:meth:`UnseenUseCheck._arm`);
     ``taken_unnoted``: the parameter's ``.grad`` was taken as the step's own without a note
     of the step's start (:meth:`UnseenUseCheck._start`); ``others``: the other parameters
     with such a term; ``disabled_calls``: hooked modules ran in the step with their hooks
-    disabled."""
+    disabled; ``parameter_hooks``: the parameter holds a hook of the user's."""
     owners = " and ".join(f"'{u}'" for u in users) or "no hooked module"
     how = (f"its gradient differs by {fraction:.0%} from the hooked contributions"
            if fraction is not None else "autograd added to its .grad before any hooked "
@@ -710,6 +720,11 @@ def raise_unseen(name: str, users: Sequence[str], fraction: float | None,
             fix += (". Or a term of the loss reads it (a regularizer): leave that out of the "
                     "loss the per-sample quantities are taken of")
     also = f", and so do {', '.join(repr(o) for o in others)}" if others else ""
+    if parameter_hooks:
+        fix = ("its gradient passes through a hook registered on it (p.register_hook), which "
+               "changes .grad after autograd computed it and which the per-sample quantities "
+               "do not follow: apply that change to them (grad1, the clipped sum), or remove "
+               "the hook. Else " + fix)
     if disabled_calls:
         fix = ("hooked modules ran in this step with their hooks disabled (disable_hooks; "
                "psh.optim.KFAC's pause on the steps that read no factors), and their calls "

@@ -150,15 +150,17 @@ def test_user_tensor_hooks_on_captured_outputs_run_and_come_off(dtype):
 class OutputGradientHooked(nn.Module):
     """A user's hook on a hooked layer's output, registered in the forward after the layer ran
     (a gradient reversal, a schedule's scale, a weight per sample): autograd goes on with
-    the gradient it leaves. ``tokens``: the layer sees ``[B, T, d]`` (its output is a view)."""
+    the gradient it leaves. ``tokens``: the layer sees ``[B, 16, d]`` (its output is a view;
+    DPSGD forms its per-sample gradients on arrival); ``conv``: a Conv1d (formed too)."""
 
-    def __init__(self, change, tokens: bool):
+    def __init__(self, change, tokens: bool, conv: bool = False):
         super().__init__()
-        self.l1, self.l2 = nn.Linear(4, 6), nn.Linear(6, 3)
-        self.change, self.tokens = change, tokens
+        self.l1 = nn.Conv1d(4, 6, 3, padding=1) if conv else nn.Linear(4, 6)
+        self.l2 = nn.Linear(6, 3)
+        self.change, self.tokens, self.conv = change, tokens, conv
 
     def forward(self, x):
-        h = self.l1(x)
+        h = self.l1(x.transpose(1, 2)).transpose(1, 2) if self.conv else self.l1(x)
         weights = 1 + x.flatten(1)[:, 0].abs()  # (each sample's own)
         h.register_hook(partial(self.change, weights=weights.view(-1, *[1] * (h.dim() - 1))))
         out = self.l2(torch.tanh(h))
@@ -178,20 +180,22 @@ def rows_weighted(g, weights):  # (linear: B times a sample's share is its own g
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("tokens", [False, True])
+@pytest.mark.parametrize("layer", ["linear", "tokens", "conv"])
 @pytest.mark.parametrize("change", [reversed_gradient, halved_in_place, rows_weighted])
-def test_a_users_hook_changing_an_output_gradient_is_followed(change, tokens, dtype):
+def test_a_users_hook_changing_an_output_gradient_is_followed(change, layer, dtype):
     """The library's hook on the output ran before the user's, so it captured the gradient
     before the change, while autograd gave the layer's parameters the changed one: grad1,
     norms and clipping silently off by the hook's factor (refused on a checked float64 step,
     as a use outside the forward; not caught on unchecked steps). Each later hook is
     followed: exact against the float64 loop over three steps (the default check's unchecked
-    ones included), and a DPSGD step (noise 0) over two batches, the second's backward
-    stopping at the outputs, is the loop's."""
+    ones included), and a DPSGD step (noise 0) over three batches, the backwards after the
+    first stopping at the outputs, is the loop's (the conv's and the token Linear's
+    per-sample gradients, formed on arrival, were formed before the user's hook ran: not while
+    a later hook follows)."""
     torch.manual_seed(0)
-    model = OutputGradientHooked(change, tokens).to(dtype)
+    model = OutputGradientHooked(change, layer != "linear", layer == "conv").to(dtype)
     reference = copy.deepcopy(model).double()
-    shape = (6, 5, 4) if tokens else (6, 4)
+    shape = (6, 4) if layer == "linear" else (6, 16, 4)
     tolerance = loop_tolerance(dtype)
     psh.add_hooks(model)
     try:
@@ -211,7 +215,7 @@ def test_a_users_hook_changing_an_output_gradient_is_followed(change, tokens, dt
     dp = psh.DPSGD(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                    max_grad_norm=0.3, dataset_size=12, batch_size=6, accountant=None)
     try:
-        for _ in range(2):
+        for _ in range(3):
             x = torch.randn(*shape, dtype=dtype)
             reference.load_state_dict(model.state_dict())
             expected = loop_grads(reference, [x.double()], weighted_square, 6)
@@ -1150,3 +1154,62 @@ def test_add_hooks_again_with_other_options_is_refused():
         psh.remove_hooks(model)
     assert model[2] in psh.add_hooks(model, units=["2"]).units
     psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("enabled_again", ["before the backward", "before compute", "never"])
+def test_a_forward_with_the_hooks_disabled_after_a_step_is_refused(enabled_again, dtype):
+    """After a step, a forward and backward with the hooks disabled: every compute_* gave the
+    earlier step's results (grad1 150% off p.grad, no error). Refused, saying the hooks were
+    disabled; the next step, hooks on, is exact."""
+    torch.manual_seed(0)
+    model = mlp().to(dtype)
+    with psh.add_hooks(model):
+        model(torch.randn(6, 5, dtype=dtype)).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        model.zero_grad()
+        psh.disable_hooks(model)
+        out = model(torch.randn(6, 5, dtype=dtype))
+        if enabled_again == "before the backward":
+            psh.enable_hooks(model)
+        out.sum().backward()
+        if enabled_again == "before compute":
+            psh.enable_hooks(model)
+        with pytest.raises(psh.PerSampleHooksError, match=r"compute_norms: the hooked modules "
+                           r"ran with their hooks disabled \(disable_hooks\) since the step"):
+            psh.compute_norms(model, loss_type="sum")
+        psh.enable_hooks(model)
+        model.zero_grad()
+        x = torch.randn(6, 5, dtype=dtype)
+        model(x).sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        expected = loop_grads(copy.deepcopy(model).double(), [x.double()],
+                              lambda out: out.sum(1), 6)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+def test_a_gradient_hook_on_a_parameter_is_warned_of_once():
+    """``p.register_hook`` changes ``.grad`` after autograd computed it, which the per-sample
+    quantities do not follow (silent on the steps the check does not run): warned of once,
+    naming the parameter; the check's own hooks are not the user's."""
+    torch.manual_seed(0)
+    model = mlp()
+    with psh.add_hooks(model, check_unseen="always"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(torch.randn(6, 5)).sum().backward()
+            psh.compute_grad1(model, loss_type="sum")
+        handle = model[0].weight.register_hook(lambda g: g * 2)
+        for step in range(2):
+            model.zero_grad()
+            model(torch.randn(6, 5)).sum().backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with pytest.raises(psh.PerSampleHooksError, match=r"'0.weight'.*passes "
+                                   r"through a hook registered on it \(p.register_hook\)"):
+                    psh.compute_grad1(model, loss_type="sum")
+            assert [str(w.message).split(":")[1] for w in caught] == \
+                ([" parameter '0.weight' has a gradient hook (p.register_hook)"] if step == 0
+                 else [])
+        handle.remove()

@@ -239,7 +239,8 @@ def test_the_library_hooks_are_not_recompiled_at_each_step():
     compiled again at every step (their guards on new inputs and on the records failed) until
     dynamo's recompile limit, over 8 layers or steps (warned, and 10-30 ms a step; torch
     2.13 also traced the watcher's handler of each op, a frame a step). Exact,
-    float64, with new inputs at each step and 12 hooked modules."""
+    float64, with new inputs at each step and 12 hooked modules (a raw parameter of a childless
+    module, and of the root, whose watcher's mode and callee hooks were traced too)."""
     from torch._dynamo.utils import counters
 
     class Shift(nn.Module):  # a raw parameter: a watcher's hooks
@@ -250,9 +251,17 @@ def test_the_library_hooks_are_not_recompiled_at_each_step():
         def forward(self, x):
             return x + self.shift
 
+    class Root(nn.Sequential):  # a raw parameter of a module with children (a cls token's)
+        def __init__(self, *layers):
+            super().__init__(*layers)
+            self.scale = nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
     torch.manual_seed(0)
-    net = nn.Sequential(Shift(), *(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(10)),
-                        nn.Linear(6, 2)).double()
+    net = Root(Shift(), *(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(10)),
+               nn.Linear(6, 2)).double()
     reference = copy.deepcopy(net)
     psh.add_hooks(net)
     compiled = compiled_or_skip(net)

@@ -1047,3 +1047,26 @@ def test_a_gan_whose_generator_step_runs_through_the_private_discriminator(dtype
     finally:
         dp.close()
         psh.remove_hooks(discriminator)
+
+
+def test_zero_grad_between_the_backward_and_the_step_is_named():
+    """``dp.zero_grad()`` drops the records of a backward no step took (a GAN's generator
+    step): called between this batch's backward and ``step()`` it dropped them, and the step
+    said no backward had run. It says ``zero_grad`` did; the batch run again steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+               max_grad_norm=1.0, dataset_size=12, batch_size=6, accountant=None)
+    x = torch.randn(6, 4)
+    try:
+        dp.zero_grad()
+        dp.backward(model(x).square().sum(1).mean())
+        dp.zero_grad()
+        with pytest.raises(psh.PerSampleHooksError, match=r"dp.zero_grad\(\) ran after this "
+                           r"batch's backward and dropped its records"):
+            dp.step()
+        dp.backward(model(x).square().sum(1).mean())
+        dp.step()
+    finally:
+        dp.close()
+        psh.remove_hooks(model)
