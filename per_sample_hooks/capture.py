@@ -693,9 +693,11 @@ def _aligned_in_einsum(args: tuple) -> tuple:
 def _writes_in_place(name: str) -> bool:
     """``fill_``, ``masked_fill_``, ``t[i] = v``, ``+=``: an op that writes into its first
     argument."""
-    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or \
-        (name.startswith("__i") and name[3:-2] in {"add", "sub", "mul", "truediv", "pow",
-                                                     "and", "or", "floordiv", "mod"})
+    return name == "__setitem__" or (
+        name.endswith("_") and not name.endswith("__") and
+        name not in ("requires_grad_", "share_memory_", "retain_grad_")) or (
+        name.startswith("__i") and name[3:-2] in {"add", "sub", "mul", "truediv", "pow", "and",
+                                                  "or", "floordiv", "mod"})
 
 
 def _aligned_at_the_batch(args: tuple, kwargs: dict, name: str) -> tuple[tuple, dict]:
