@@ -608,7 +608,7 @@ def test_ops_along_the_batch_dim_of_an_expanded_output_are_refused(op, dtype):
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
 
 
-class WritesInto(nn.Module):
+class WritesInto(AlongTheBatch):
     """Positions written into in place, or taken as a Linear's weight, before they meet the
     batch: on the expanded view every sample's copy is one memory location (a scalar write
     ran, and the backward failed with torch's error), and as a weight ``[B, d]`` the output
@@ -618,12 +618,6 @@ class WritesInto(nn.Module):
            "__setitem__": lambda e, h: e.__setitem__((slice(None), 0), 0.0),
            "masked_fill_": lambda e, h: e.masked_fill_(e > 0, 0.0),
            "linear": lambda e, h: F.linear(h, e)}
-
-    def __init__(self, op: str):
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(9, 4), nn.Embedding(6, 4)
-        self.out = nn.Linear(4, 2)
-        self.op = self.OPS[op]
 
     def forward(self, ids):
         h = self.tokens(ids)
