@@ -578,6 +578,12 @@ class DPSGD:
         params = self._parameters()
         if self._accumulated:
             pending = empty_batch or self._backward_pending()
+            if not pending and get_state(self.model).status is self.zeroed:
+                raise PerSampleHooksError(
+                    "DPSGD: dp.zero_grad() ran after this piece's backward and dropped its "
+                    "records (it starts a piece: call it before the forward); the earlier "
+                    "pieces' sums are kept. Run this piece's forward and backward again, then "
+                    "step")
             self._refuse_changed_parameters("step")
             norms = self.accumulate(empty_batch, groups) if pending else torch.zeros(0)
             for p, total in zip(params, self._sums.like(params)):

@@ -100,9 +100,12 @@ class OutputEdges:
         if not self.edges:
             if not loss.requires_grad or self._state is None or \
                     not self._state.model_input_ids:  # the model was not called (with grad)
+                disabled = self._state is not None and not self._state.enabled
                 raise PerSampleHooksError(
                     "backward: no output of a hooked module was recorded since the last "
-                    "backward; run the forward pass with grad enabled first")
+                    "backward; run the forward pass with grad enabled first" + (
+                        " and the hooks on (they are disabled: disable_hooks)" if disabled
+                        else ""))
             # the hooked layers run in the backward (all inside reentrant checkpointing,
             # which recomputes them there), or DPSGD.zero_grad() forgot them: an ordinary one
             loss.backward()

@@ -1070,3 +1070,51 @@ def test_zero_grad_between_the_backward_and_the_step_is_named():
     finally:
         dp.close()
         psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_grad_after_the_last_pieces_backward_is_refused_and_the_piece_run_again(dtype):
+    """Pieces accumulated, then the last piece's backward and ``dp.zero_grad()``: the step
+    stepped (optimizer and accountant) with the earlier pieces' sums alone, the last piece's
+    samples dropped without a word. Refused, keeping the earlier pieces; the piece run again,
+    the step is the whole batch's."""
+    def zeroed(model, dp, x):
+        dp.zero_grad()
+        dp.backward(model(x[4:6]).pow(2).sum(1).mean())
+        dp.accumulate()
+        dp.zero_grad()
+        dp.backward(model(x[6:8]).pow(2).sum(1).mean())
+        dp.zero_grad()
+        with pytest.raises(psh.PerSampleHooksError, match=r"dp.zero_grad\(\) ran after this "
+                           r"piece's backward .*the earlier pieces' sums are kept"):
+            dp.step()
+        assert dp.steps == 0
+        dp.backward(model(x[6:8]).pow(2).sum(1).mean())
+        dp.step()
+    got, expected = _pieces_run(dtype, zeroed)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **({} if dtype == torch.float64 else
+                                            dict(rtol=1e-4, atol=1e-6)))
+
+
+def test_dp_backward_of_a_forward_with_the_hooks_disabled_names_them():
+    """``dp.backward`` of a forward run with the hooks disabled: refused (nothing recorded),
+    saying they are disabled; the next batch, hooks on, steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+               max_grad_norm=1.0, dataset_size=12, batch_size=6, accountant=None)
+    x = torch.randn(6, 4)
+    try:
+        dp.zero_grad()
+        psh.disable_hooks(model)
+        with pytest.raises(psh.PerSampleHooksError, match=r"no output of a hooked module was "
+                           r"recorded .*they are disabled: disable_hooks"):
+            dp.backward(model(x).square().sum(1).mean())
+        psh.enable_hooks(model)
+        dp.zero_grad()
+        dp.backward(model(x).square().sum(1).mean())
+        dp.step()
+    finally:
+        dp.close()
+        psh.remove_hooks(model)
