@@ -192,8 +192,9 @@ def moved_like(p: Tensor, tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | 
 def check_finite(tensors: tuple[Tensor, ...], what: str) -> None:
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         raise FloatingPointError(
-            f"KFAC: non-finite {what} (the training diverged: lower the learning rate or raise "
-            "the damping)")
+            f"KFAC: non-finite {what}: a sample of the batch with non-finite values (the data; "
+            "psh.compute_norms names the samples), or the training diverged (lower the "
+            "learning rate or raise the damping)")
 
 
 def has_trainable_bias(module: nn.Module) -> bool:

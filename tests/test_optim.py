@@ -763,3 +763,25 @@ def test_defaults_do_not_diverge_at_lr_0_1():
     losses = _digits_like_training()
     assert max(losses) < 1.05 * losses[0], losses
     assert losses[-1] < 0.75 * losses[0], losses
+
+
+def test_a_non_finite_sample_is_named_as_a_cause_of_non_finite_factors():
+    """A NaN in one input sample: the factors are non-finite, and the refusal named diverged
+    training only (lower the learning rate); it names the data first. The next step, on a
+    finite batch, is that of a KFAC that never saw the bad one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    twin = copy.deepcopy(model)
+    precond, reference = KFAC(model, damping=0.1), KFAC(twin, damping=0.1)
+    bad = torch.randn(8, 5, dtype=torch.double)
+    bad[3, 1] = float("nan")
+    F.cross_entropy(model(bad), torch.randint(0, 3, (8,))).backward()
+    with pytest.raises(FloatingPointError, match="a sample of the batch with non-finite values"):
+        precond.step()
+    x, y = torch.randn(8, 5, dtype=torch.double), torch.randint(0, 3, (8,))
+    for net, p in ((model, precond), (twin, reference)):
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        p.step()
+    torch.testing.assert_close(flat_grads(model.parameters()), flat_grads(twin.parameters()),
+                               rtol=0, atol=0)
