@@ -128,13 +128,14 @@ class Schedule:
         self.check_seconds: float | None = None
         self.timing = True  # the next step is timed
         self._open = False  # a step started that no compute_* call has read yet
+        self._counted = False  # this step's check is counted (a second compute_* call's is not)
         self._started: float | None = None
         self.steps_measured = 0
 
     def start(self) -> bool:
         """A step starts (its first hooked forward): whether it is sampled (a step of a new
         structure is checked whatever this says)."""
-        self._open = True
+        self._open, self._counted = True, False
         if self.timing:
             self._started = self.clock()
         return self.until_sampled <= 0 or self.mode == "always"
@@ -179,7 +180,11 @@ class Schedule:
         """A step of ``structure`` was checked, in ``seconds``: draw the next sampled step, and
         time the next step. The first check also pays one-time costs (8x a later one on the
         seed-003 MLP), which would keep the sampled rate far under the budget for thousands of
-        steps: its time is left out, and the next step read is checked to measure the cost."""
+        steps: its time is left out, and the next step read is checked to measure the cost. A
+        step's later ``compute_*`` calls check it again, and are not counted."""
+        if self._counted:
+            return
+        self._counted = True
         self.checks += 1
         self.checked.add(structure)
         self.timing = True

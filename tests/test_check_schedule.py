@@ -53,6 +53,27 @@ def test_first_step_and_new_structures_are_checked():
     psh.remove_hooks(model)
 
 
+@pytest.mark.parametrize("calls", [1, 2])
+def test_the_first_two_steps_are_checked_whatever_the_calls_per_step(calls):
+    """The second step is checked (it measures the check's cost), also where the first step
+    made two compute_* calls: each counted a check, so the second was taken for the measuring
+    one and step 1 went unchecked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    state = psh.add_hooks(model)
+    checks = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(6, 4)).square().sum().backward()
+        before = state.unseen.schedule.checks
+        psh.compute_norms(model)
+        if calls == 2:
+            psh.compute_norms(model, per_param=True)
+        checks.append(state.unseen.schedule.checks - before)
+    assert checks == [1, 1, 0, 0]
+    psh.remove_hooks(model)
+
+
 def test_always_checks_every_step_and_false_never():
     torch.manual_seed(0)
     model = SometimesLeaks()
@@ -101,6 +122,7 @@ def test_sampled_checks_cost_the_budget():
         return checked
 
     assert run(1) == [] and run(1) == []  # no times yet: nothing drawn
+    schedule.start()  # (a step: each counts one check)
     schedule.checked_one("structure", 50.0)  # the first check: one-time costs, left out
     assert run(1, check_seconds=0.5) == [0]  # the next step read is checked to measure it
     assert schedule.check_seconds == 0.5
@@ -119,9 +141,11 @@ def test_sampled_checks_cost_the_budget():
     assert abs(len(with_unread) - expected) < 5 * expected ** 0.5
     assert "another structure" not in schedule.checked  # new: checked whatever the draw
     schedule.budget = 1e9  # a check cheaper than its share: every step
+    schedule.start()  # (a step: each counts one check)
     schedule.checked_one("structure", 0.5)
     assert run(100) == list(range(100))
     schedule.budget = 0.0  # new structures only
+    schedule.start()  # (a step: each counts one check)
     schedule.checked_one("structure", 0.5)
     assert run(100) == []
     always = Schedule("always")
@@ -138,10 +162,12 @@ def test_a_checked_step_is_not_timed():
         now[0] += 1.0
         schedule.step_read()
     assert schedule.step_seconds == 1.0
+    schedule.start()  # (a step: each counts one check)
     schedule.checked_one("structure", 50.0)  # the first check: the next step is checked
     assert schedule.start()
     now[0] += 10.0  # its check's hooks make it long
     schedule.step_read(checked=True)
+    schedule.start()  # (a step: each counts one check)
     schedule.checked_one("structure", 0.5)
     assert schedule.step_seconds == 1.0
     schedule.start()
