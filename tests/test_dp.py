@@ -1049,15 +1049,20 @@ def test_a_gan_whose_generator_step_runs_through_the_private_discriminator(dtype
         psh.remove_hooks(discriminator)
 
 
-def test_zero_grad_between_the_backward_and_the_step_is_named():
-    """``dp.zero_grad()`` drops the records of a backward no step took (a GAN's generator
-    step): called between this batch's backward and ``step()`` it dropped them, and the step
-    said no backward had run. It says ``zero_grad`` did; the batch run again steps."""
+def _small_dpsgd() -> tuple[nn.Module, DPSGD, torch.Tensor]:
+    """A small MLP, its DPSGD (noise 0, batch 6) and a batch."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
                max_grad_norm=1.0, dataset_size=12, batch_size=6, accountant=None)
-    x = torch.randn(6, 4)
+    return model, dp, torch.randn(6, 4)
+
+
+def test_zero_grad_between_the_backward_and_the_step_is_named():
+    """``dp.zero_grad()`` drops the records of a backward no step took (a GAN's generator
+    step): called between this batch's backward and ``step()`` it dropped them, and the step
+    said no backward had run. It says ``zero_grad`` did; the batch run again steps."""
+    model, dp, x = _small_dpsgd()
     try:
         dp.zero_grad()
         dp.backward(model(x).square().sum(1).mean())
@@ -1100,11 +1105,7 @@ def test_zero_grad_after_the_last_pieces_backward_is_refused_and_the_piece_run_a
 def test_dp_backward_of_a_forward_with_the_hooks_disabled_names_them():
     """``dp.backward`` of a forward run with the hooks disabled: refused (nothing recorded),
     saying they are disabled; the next batch, hooks on, steps."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    dp = DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
-               max_grad_norm=1.0, dataset_size=12, batch_size=6, accountant=None)
-    x = torch.randn(6, 4)
+    model, dp, x = _small_dpsgd()
     try:
         dp.zero_grad()
         psh.disable_hooks(model)
