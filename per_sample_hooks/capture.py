@@ -563,6 +563,8 @@ class BroadcastOutput(Tensor):
             raise _refused_at_once(views[0], name, "takes it as a weight (expanded, the "
                                    "weight of every sample at once)")
         with torch._C.DisableTorchFunctionSubclass():
+            if name == "dropout" and args and isinstance(args[0], BroadcastOutput):
+                return _dropped_once(func, args, kwargs)
             if name.rstrip("_") in _BROADCASTING:
                 args, kwargs = _aligned_at_the_batch(args, kwargs, name)
             elif name == "einsum":
@@ -585,6 +587,19 @@ class BroadcastOutput(Tensor):
                 status.broadcast_misuse = status.broadcast_misuse or (module, name)
                 return result
         return _still_expanded(result, args, kwargs, views[0])
+
+
+def _dropped_once(func: Callable, args: tuple, kwargs: dict) -> Tensor:
+    """``F.dropout`` / ``torch.dropout`` of an expanded output: one mask drawn for one copy,
+    as the unexpanded output draws it (the same random numbers: the plain model's forward),
+    and every sample's copy times it (on the view, one mask per copy was drawn)."""
+    view, rest = args[0], args[1:]
+    p = kwargs.get("p", rest[0] if rest else 0.5)
+    training = kwargs.get("training", kwargs.get("train", rest[1] if len(rest) > 1 else True))
+    if not training or not p:
+        return func(*args, **kwargs)  # (the view itself)
+    mask = func(torch.ones_like(view.narrow(view.expanded[1], 0, 1)), p, True)
+    return BroadcastOutput.wrap(view * mask, *view.expanded)
 
 
 def _still_expanded(result: object, args: tuple, kwargs: dict, view: BroadcastOutput

@@ -661,3 +661,46 @@ def test_a_forward_that_fails_after_an_expansion_ends_the_step():
         psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1, expected[n], rtol=1e-9, atol=1e-11)
+
+
+class DroppedPositions(nn.Module):
+    """Positions ``[1, T, d]`` dropped out before they meet the batch (Transformer-XL drops its
+    position embeddings): one mask shared by the samples. ``mask``: a fixed one instead (the
+    float64 loop's reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(9, 4), nn.Embedding(6, 4)
+        self.drop, self.out = nn.Dropout(0.4), nn.Linear(4, 2)
+        self.mask = None
+
+    def forward(self, ids):
+        h = self.tokens(ids)
+        positions = self.positions(torch.arange(ids.shape[1])[None])
+        positions = self.drop(positions) if self.mask is None else positions * self.mask
+        return self.out(torch.tanh(h + positions))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("positions", [5, 6])
+def test_dropout_of_an_expanded_output_draws_one_mask(positions, dtype):
+    """Dropout on the expanded view drew a mask per sample (the hooked forward was not the
+    plain one, same seed); it draws the unexpanded output's one mask, from the same random
+    numbers: the hooked forward is the plain one, and grad1 that of the loop with that mask."""
+    torch.manual_seed(0)
+    model, ids = DroppedPositions().to(dtype).train(), torch.randint(0, 9, (5, positions))
+    torch.manual_seed(1)
+    plain = model(ids)
+    torch.manual_seed(1)
+    mask = nn.functional.dropout(torch.ones(1, positions, 4, dtype=dtype), 0.4, True)
+    reference = copy.deepcopy(model).double()
+    reference.mask = mask.double()
+    expected = loop_grads(reference, [ids], weighted_square, 5)
+    with psh.add_hooks(model):
+        torch.manual_seed(1)
+        out = model(ids)
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+        weighted_square(out).mean().backward()
+        psh.compute_grad1(model)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
