@@ -394,6 +394,18 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
                 f"{caller}: captured calls disagree on the batch size: {seen}. {hint}. (Call "
                 "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the "
                 "batch is not dimension 0)")
+        fewer = next(((size, names[0]) for size, names in sizes.items()
+                      if status.batch and 1 < size < status.batch), None)
+        if fewer is not None:
+            raise PerSampleHooksError(
+                f"{caller}: captured calls disagree on the batch size: {seen}. '{fewer[1]}' "
+                f"saw {fewer[0]} rows, fewer than the {status.batch} samples: rows selected "
+                "from the batch's by a mask or an index (an early exit's `deep(h[keep])`, the "
+                "tokens a mixture-of-depths routes), while each hooked module must see every "
+                "sample in each call. Run it on every row and keep the selected rows' results, "
+                "`torch.where(keep[:, None], deep(h), h)`, or make the module that selects and "
+                "runs them one unit of the torch.func fallback (add_hooks(model, units=[...])), "
+                "which re-runs each sample alone")
         raise PerSampleHooksError(
             f"{caller}: captured calls disagree on the batch size: {seen}. Call "
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "

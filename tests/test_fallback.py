@@ -1322,3 +1322,49 @@ def test_a_unit_that_converts_a_child_in_its_forward(frozen, dtype):
         with pytest.raises(psh.PerSampleHooksError, match=r"Linear: its forward converts its "
                            r"parameter 'weight'.*Convert the model before the step's forward"):
             psh.compute_grad1(model)
+
+
+class EarlyExit(nn.Module):
+    """The deep path run on the samples its cheap head is not confident about, ``x[keep]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(6, 4)
+        self.deep = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.threshold = 0.0
+
+    def forward(self, x):
+        first = self.head(x)
+        keep = first.softmax(-1).amax(-1) < self.threshold
+        out = first.clone()
+        if keep.any():
+            out[keep] = self.deep(x[keep])
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_early_exit_on_some_rows_is_refused_with_what_works(dtype):
+    """The deep path seeing some of the samples' rows was refused with the generic message
+    (clear_backprops, batch_dim, position ids); it names the module, the rows and two ways
+    that work, one of which, the model as a unit, is then exact against the float64 loop."""
+    torch.manual_seed(0)
+    model, x = EarlyExit().to(dtype), torch.randn(8, 6, dtype=dtype)
+    confidence = model.head(x).softmax(-1).amax(-1).sort().values
+    model.threshold = float(confidence[2] + confidence[3]) / 2  # 3 of the 8 go deeper
+    reference = copy.deepcopy(model).double()
+    with psh.add_hooks(model):
+        model(x).square().sum().backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"'deep.0' saw 3 rows, fewer than "
+                           r"the 8 samples.*torch.where.*one unit"):
+            psh.compute_grad1(model, loss_type="sum")
+    model.zero_grad()
+    with psh.add_hooks(model, units=[""]):
+        model(x).square().sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
+        got = {n: p.grad1.clone() for n, p in model.named_parameters()}
+    for i in range(8):
+        grads = torch.autograd.grad(reference(x[i:i + 1].double()).square().sum(),
+                                    list(reference.parameters()), allow_unused=True)
+        for (n, p), g in zip(reference.named_parameters(), grads):
+            want = torch.zeros_like(p) if g is None else g
+            torch.testing.assert_close(got[n][i].double(), want, **loop_tolerance(dtype))
