@@ -549,20 +549,20 @@ class BroadcastOutput(Tensor):
         if name.rstrip("_") in _SCATTERS_FROM and any(
                 isinstance(t, BroadcastOutput) for t in (*args[3:], kwargs.get("src"))):
             raise _refused_at_once(views[0], name, "reads it row by row through an index")
-        if args and isinstance(args[0], BroadcastOutput) and _writes_in_place(name) and \
-                args[0].stride(args[0].expanded[1]) == 0:
-            raise _refused_at_once(args[0], name, "writes into it in place (every sample's "
-                                   "copy is one memory location)")
-        if name in _ALONG_A_DIM and args and isinstance(args[0], BroadcastOutput) and \
-                _along_the_batch(name, args, kwargs, args[0].dim(), args[0].expanded[1]):
-            raise _refused_at_once(args[0], name, "works along its batch dim (over the "
-                                   "samples' copies: other values, or the samples' gradients "
-                                   "given to other copies)")
-        if name == "linear" and isinstance(kwargs.get("weight", args[1:2] and args[1]),
-                                           BroadcastOutput):
-            raise _refused_at_once(views[0], name, "takes it as a weight (expanded, the "
-                                   "weight of every sample at once)")
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass():  # (the view's own methods too)
+            if args and isinstance(args[0], BroadcastOutput) and _writes_in_place(name) and \
+                    args[0].stride(args[0].expanded[1]) == 0:
+                raise _refused_at_once(args[0], name, "writes into it in place (every "
+                                       "sample's copy is one memory location)")
+            if name in _ALONG_A_DIM and args and isinstance(args[0], BroadcastOutput) and \
+                    _along_the_batch(name, args, kwargs, args[0].dim(), args[0].expanded[1]):
+                raise _refused_at_once(args[0], name, "works along its batch dim (over the "
+                                       "samples' copies: other values, or the samples' "
+                                       "gradients given to other copies)")
+            if name == "linear" and isinstance(kwargs.get("weight", args[1:2] and args[1]),
+                                               BroadcastOutput):
+                raise _refused_at_once(views[0], name, "takes it as a weight (expanded, the "
+                                       "weight of every sample at once)")
             if name == "dropout" and args and isinstance(args[0], BroadcastOutput):
                 return _dropped_once(func, args, kwargs)
             if name.rstrip("_") in _BROADCASTING:

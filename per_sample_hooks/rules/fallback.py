@@ -714,26 +714,25 @@ def _outputs_agree(who: str, batched: list[Tensor], alone: list[Tensor],
             if not (gap > torch.finfo(whole.dtype).eps ** 0.5 * largest).any():
                 continue
         how = "one at a time (vmap cannot batch it)" if looped else "under torch.func.vmap"
+        differs = (f"{who}, a unit of the torch.func fallback, gives sample {b} another output "
+                   f"{j} when re-run alone, {how}, than in the batch ({off})")
         if changed:
             shown = ", ".join(map(repr, changed[:3])) + (" ..." if len(changed) > 3 else "")
             raise PerSampleHooksError(
-                f"{who}, a unit of the torch.func fallback, gives sample {b} another output {j} "
-                f"when re-run alone, {how}, than in the batch ({off}), and its re-runs changed "
-                f"its buffers {shown} in place: its forward updates a state at each call (an "
-                "observer's range, as torch.ao's fake quantization with its observer on; "
-                "running statistics), so the samples re-run from the state the batch left get "
-                "other outputs, and the step's outputs depend on what came before them. Freeze "
-                "that state for the steps that take per-sample quantities (after calibrating, "
-                "model.apply(torch.ao.quantization.disable_observer); BatchNorm: eval mode)")
+                f"{differs}, and its re-runs changed its buffers {shown} in place: its forward "
+                "updates a state at each call (an observer's range, as torch.ao's fake "
+                "quantization with its observer on; running statistics), so the samples re-run "
+                "from the state the batch left get other outputs, and the step's outputs "
+                "depend on what came before them. Freeze that state for the steps that take "
+                "per-sample quantities (after calibrating, model.apply(torch.ao.quantization."
+                "disable_observer); BatchNorm: eval mode)")
         raise PerSampleHooksError(
-            f"{who}, a unit of the torch.func fallback, gives sample {b} "
-            f"another output {j} when re-run alone, {how}, than in the batch ({off}): its "
-            "forward depends on the batch (a statistic over the batch, as `y - y.mean(0)`; "
-            "a branch on a value over the batch, as `if x.sum() > 0`; a capacity limit per "
-            "expert) or draws random numbers (noise, stochastic depth), so its per-sample "
-            "gradients would not be those of the step. Compute such statistics and branches "
-            "per sample, or outside the unit; draw random numbers outside it, or use "
-            "model.eval() for the step")
+            f"{differs}: its forward depends on the batch (a statistic over the batch, as "
+            "`y - y.mean(0)`; a branch on a value over the batch, as `if x.sum() > 0`; a "
+            "capacity limit per expert) or draws random numbers (noise, stochastic depth), so "
+            "its per-sample gradients would not be those of the step. Compute such statistics "
+            "and branches per sample, or outside the unit; draw random numbers outside it, or "
+            "use model.eval() for the step")
 
 
 def _unbatchable(who: str, recurrent: dict[str, nn.Module], error: Exception
