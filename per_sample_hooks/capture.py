@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, partial, wraps
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +26,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import PerSampleHooksError
 from .vision_language import FREEZE_IMAGE_SIDE
+
+if TYPE_CHECKING:
+    from .shared_outputs import SharedCall
 
 STATE_ATTRIBUTE = "_per_sample_hooks"
 
@@ -64,7 +67,7 @@ class Call:
 
     __slots__ = ("args", "kwargs", "grads", "batch_dim", "training", "versions", "per_sample",
                  "watched", "note", "hooks", "values", "recomputed", "outputs", "shared_input",
-                 "name", "__weakref__")
+                 "shared", "name", "__weakref__")
 
     def __init__(self, args: tuple, kwargs: dict, n_outputs: int, batch_dim: int, training: bool,
                  compiling: bool = False, name: str | None = None):
@@ -92,6 +95,9 @@ class Call:
         # ("parameter" or "buffer", name): the model's own tensor the call's first input is
         # (a view of), rows and all: a table every sample shares, not a batch
         self.shared_input: tuple[str, str] | None = None
+        # a call on indices made inside the forward whose output is followed to where the
+        # model broadcasts it over the batch (:mod:`per_sample_hooks.shared_outputs`)
+        self.shared: SharedCall | None = None
 
     @property
     def has_grads(self) -> bool:
@@ -167,7 +173,7 @@ class Call:
         """Drop every captured tensor (the gradients' lists in place: the capture hooks hold
         them)."""
         self.args, self.kwargs, self.versions, self.per_sample, self.note = (), {}, [], None, None
-        self.outputs = None
+        self.outputs = self.shared = None
         for passes in (*self.grads, *self.watched):
             passes.clear()
 
@@ -180,7 +186,7 @@ class Call:
         view.watched = [[passes[index]] if index < len(passes) else []
                         for passes in self.watched]
         view.note, view.hooks, view.outputs = self.note, [], self.outputs
-        view.name = self.name
+        view.name, view.shared = self.name, None
         return view
 
     def modified_inputs(self) -> list[int]:
@@ -543,14 +549,14 @@ class BroadcastOutput(Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         views = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, BroadcastOutput)]
-        name = _op_name(func)
+        name = op_name(func)
         if args and isinstance(args[0], BroadcastOutput) and not kwargs:
             args = _repeated_once_per_sample(name, args)
         if name.rstrip("_") in _SCATTERS_FROM and any(
                 isinstance(t, BroadcastOutput) for t in (*args[3:], kwargs.get("src"))):
             raise _refused_at_once(views[0], name, "reads it row by row through an index")
         with torch._C.DisableTorchFunctionSubclass():  # (the view's own methods too)
-            if args and isinstance(args[0], BroadcastOutput) and _writes_in_place(name) and \
+            if args and isinstance(args[0], BroadcastOutput) and writes_in_place(name) and \
                     args[0].stride(args[0].expanded[1]) == 0:
                 raise _refused_at_once(args[0], name, "writes into it in place (every "
                                        "sample's copy is one memory location)")
@@ -565,7 +571,7 @@ class BroadcastOutput(Tensor):
                                        "weight of every sample at once)")
             if name == "dropout" and args and isinstance(args[0], BroadcastOutput):
                 return _dropped_once(func, args, kwargs)
-            if name.rstrip("_") in _BROADCASTING:
+            if name.rstrip("_") in BROADCASTING_OPS:
                 args, kwargs = _aligned_at_the_batch(args, kwargs, name)
             elif name == "einsum":
                 args = _aligned_in_einsum(args)
@@ -627,7 +633,7 @@ def _times_a_weight(args: tuple, view: BroadcastOutput) -> bool:
         not isinstance(args[1], BroadcastOutput) and args[1].dim() <= 2
 
 
-_BROADCASTING = frozenset({
+BROADCASTING_OPS = frozenset({
     "add", "sub", "mul", "div", "true_divide", "where", "maximum", "minimum", "max", "min",
     "pow", "lerp", "addcmul", "addcdiv", "masked_fill", "clamp", "clip", "atan2", "arctan2",
     "hypot", "fmax", "fmin", "logaddexp", "logaddexp2", "copysign", "xlogy", "remainder",
@@ -705,7 +711,7 @@ def _aligned_in_einsum(args: tuple) -> tuple:
     return (args[0], operands) if listed else (args[0], *operands)
 
 
-def _writes_in_place(name: str) -> bool:
+def writes_in_place(name: str) -> bool:
     """``fill_``, ``masked_fill_``, ``t[i] = v``, ``+=``: an op that writes into its first
     argument."""
     return name == "__setitem__" or (
@@ -807,7 +813,7 @@ def _indexing(index: object, ndim: int, dim: int) -> object:
     return items[dim] if dim < len(items) else slice(None)
 
 
-def _op_name(func: Callable) -> str:
+def op_name(func: Callable) -> str:
     """``reshape``; ``T`` for a property's getter."""
     name = getattr(func, "__name__", None) or str(func)
     return getattr(getattr(func, "__self__", None), "__name__", name) if name == "__get__" \
@@ -946,6 +952,8 @@ class StepStatus:
     # storage address -> (kind, name) of the model's parameters and buffers, formed the first
     # time in the step that a call's input may be one of them (:attr:`Call.shared_input`)
     model_tensors: dict[int, tuple[str, str]] | None = None
+    # the calls whose outputs are followed in this step (:mod:`.shared_outputs`)
+    followed: list[SharedCall] = field(default_factory=list)
 
 
 @dataclass
@@ -1113,6 +1121,10 @@ class HookState:
         name, batch_dim = self.modules[owner]
         status = self.current_status()
         in_backward = not compiling and _in_backward()
+        if status.followed:  # a followed value reaching a module whose rule takes it as a batch
+            for value in tree_flatten((args, kwargs))[0]:
+                if isinstance(value, SharedOutput):
+                    value.followed[0].end(f"passes it to '{name}' ({type(owner).__name__})")
         if status.backward_seen and status.forward_after_backward is None and not in_backward:
             status.forward_after_backward = name  # a second micro-batch: refused by compute_*
         given_args, given_kwargs = args, kwargs
@@ -1147,7 +1159,11 @@ class HookState:
                 values += [("buffer", n, b) for n, b in owner.named_buffers(recurse=recurse)]
             if values:
                 call.values = [(kind, n, t, t._version) for kind, n, t in values]
-        own_batch, expanded = None, False
+        own_batch, expanded, followed = None, False, None
+        if self.broadcast and not compiling and not in_backward and isinstance(output, Tensor) \
+                and follows(call, given_args[0] if given_args else None, output,
+                            status.batch or self.latest_call_rows, self.model_input_ids):
+            followed = status.batch = status.batch or self.latest_call_rows
         if status.batch is None and call.shared_input is None:
             own_batch = self._batch_or_none(owner, call)
             if own_batch is not None and own_batch > 1:
@@ -1202,6 +1218,8 @@ class HookState:
         if expanded:  # the model's uses of it are watched from here on
             status.expanded = status.expanded or name
             output = BroadcastOutput.wrap(output, name, batch_dim, status.batch, status)
+        elif followed is not None:
+            output = follow(call, output, followed, self)
         return output
 
     def _model_tensor(self, t: Tensor) -> tuple[str, str] | None:
@@ -1490,3 +1508,6 @@ def get_state(model: nn.Module) -> HookState:
             f"{type(model).__name__} has no per_sample_hooks: call "
             "per_sample_hooks.add_hooks(model) before the forward pass")
     return state
+
+
+from .shared_outputs import SharedOutput, follow, follows  # noqa: E402  (imports this module)

@@ -38,6 +38,7 @@ from .rules.fallback import unit_parameters
 from .rules.formed import FormedRule
 from .rules.raw_parameters import OWN_UNIT_ADVICE
 from .sharded import contains_fsdp_unit, is_sharded, swap_in_full_values
+from .shared_outputs import resolve as resolve_followed
 from .unseen import N_PROBES, HookedSums, holder_of, hooked_parameters, user_parameter_hooks
 from .vision_language import (
     ImagelessSamples,
@@ -295,6 +296,9 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             layers.append(LayerWork(module, name, FormedRule(formed[0]), calls,
                                     owned_parameters(state, module)))
             continue
+        for call in calls:
+            if call.shared is not None:  # its output was followed over the forward
+                resolve_followed(call)
         try:
             rule.check(module, calls, name)
         except PerSampleHooksError as error:
@@ -411,14 +415,15 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "clear_backprops(model) between steps, and pass batch_dim to add_hooks if the batch "
             "is not dimension 0. A module whose output is broadcast over the batch (position "
             "ids) is handled when called with batch size 1 after some module saw the batch, "
-            "`pos_emb(torch.arange(T)[None])`; called without the batch dim, "
-            "`pos_emb(torch.arange(T))`, or before any module saw the batch, it mixes the "
-            "samples' gradients: give it the batch, `pos_emb(torch.arange(T).expand(B, -1))`, "
-            "or, in code you do not change (the relative position biases of transformers' "
-            "BEiT, Swin, T5), make a module that holds every use of its output (the attention "
-            "layer or transformer block that adds it to the batch's; T5 passes it from layer "
-            "to layer: each stack, units=['encoder', 'decoder']) one unit of the torch.func "
-            "fallback, add_hooks(model, units=[...]). A layer called on rows picked from the "
+            "`pos_emb(torch.arange(T)[None])`, or on indices without the batch dim made in the "
+            "forward, `pos_emb(torch.arange(T))`, followed to where the model broadcasts its "
+            "output; called with batch size 1 before any module saw the batch, it cannot be "
+            "told from a batch of one: give it the batch, `pos_emb(torch.arange(T).expand(B, "
+            "-1))`, or, in code you do not change (the relative position biases of "
+            "transformers' BEiT and Swin, picked from a table), make a module that holds every "
+            "use of its output (the attention layer or transformer block that adds it to the "
+            "batch's) one unit of the torch.func fallback, add_hooks(model, units=[...]). A "
+            "layer called on rows picked from the "
             "batch's (the experts of a mixture of experts on the tokens routed to them, a "
             "graph's edges) does not see samples: make the block that picks them one unit")
     batch_size = next(iter(sizes))
@@ -640,7 +645,7 @@ def form_on_arrival(state: HookState, module: nn.Module, call: Call) -> None:
     else keeps its record and is handled as usual."""
     if (call.per_sample is not None or len(call.grads) != 1 or len(call.grads[0]) != 1
             or call.watched or module in state.units or len(state.calls[module]) != 1
-            or call.modified_inputs()):
+            or call.modified_inputs() or call.shared is not None):
         return
     params = owned_parameters(state, module)
     rule = state.rules[module]

@@ -961,19 +961,22 @@ def test_the_model_in_a_torch_func_transform_of_the_loss_is_refused(transform, c
             torch.testing.assert_close(got[n][i].double(), g, **loop_tolerance(dtype))
 
 
-def test_position_ids_broadcast_over_the_batch_are_refused_with_the_fix():
+def test_positions_before_the_batch_are_refused_with_the_fix():
+    """Positions looked up as ``[1, T]`` before any module saw the batch cannot be told from a
+    batch of one: refused with the fix."""
     class Positional(nn.Module):
         def __init__(self):
             super().__init__()
             self.tokens, self.positions = nn.Embedding(7, 3), nn.Embedding(5, 3)
 
         def forward(self, ids):
-            return (self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))).sum()
+            positions = self.positions(torch.arange(ids.shape[1])[None])
+            return (self.tokens(ids) + positions).sum()
 
     model = Positional()
     psh.add_hooks(model)
     model(torch.randint(7, (2, 5))).backward()
-    with pytest.raises(psh.PerSampleHooksError, match=r"2 \(at 'tokens'\), 5 \(at 'positions'\)"
+    with pytest.raises(psh.PerSampleHooksError, match=r"2 \(at 'tokens'\), 1 \(at 'positions'\)"
                                                       r".*arange\(T\)\.expand\(B, -1\)"):
         psh.compute_grad1(model)
 

@@ -3,6 +3,7 @@ position ids ``[1, T]``, a shared query through a Linear): exact per-sample grad
 change to the call; the limits are refused with a message."""
 import copy
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -109,6 +110,40 @@ class StepEmbedding(nn.Module):
         return self.out(h.mean(1))
 
 
+class PositionsWithoutTheBatch(nn.Module):
+    """nanoGPT's positions, ``wpe(torch.arange(T))``, ``[T, d]`` without the batch, added to the
+    tokens' ``[B, T, d]`` as they are (``+`` or in place), as ``[None]``, expanded or repeated
+    over the batch; or ``built-ids``: the ids get a BOS token in the forward (a new tensor, whose
+    lookup holds the samples) before the positions are added."""
+
+    def __init__(self, use: str = "add", vocab=9, length=8, dim=4):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.out = nn.Linear(dim, 3)
+        self.use = use
+
+    def forward(self, ids):
+        if self.use == "built-ids":
+            ids = torch.cat([torch.zeros_like(ids[:, :1]), ids], 1)
+        h, batch = self.tokens(ids), ids.shape[0]
+        positions = self.positions(torch.arange(ids.shape[1]))
+        if self.use == "in-place":
+            h += positions
+        elif self.use == "unsqueezed":
+            h = h + positions[None]
+        elif self.use == "expanded":
+            h = h + positions.unsqueeze(0).expand(batch, -1, -1)
+        elif self.use == "repeated":
+            h = h + positions[None].repeat(batch, 1, 1)
+        else:
+            h = h + positions
+        return self.out(torch.tanh(h))
+
+
+def _ids(length: int):
+    return lambda g: [torch.randint(0, 9, (5, length), generator=g)]
+
+
 CASES = {
     "positions": (BroadcastPositions, lambda g: [torch.randint(0, 9, (5, 6), generator=g)]),
     "positions-in-place": (lambda: BroadcastPositions(in_place=True),
@@ -124,6 +159,12 @@ CASES = {
         StepEmbedding, lambda g: [torch.randn(5, 5, 3, generator=g)]),
     "step-embedding-scaling": (lambda: StepEmbedding("mul"),
                                lambda g: [torch.randn(5, 5, 3, generator=g)]),
+    **{f"positions-without-the-batch-{use}-{name}": (partial(PositionsWithoutTheBatch, use),
+                                                     _ids(length))
+       for use in ("add", "in-place", "unsqueezed", "expanded", "repeated")
+       for name, length in (("T-6", 6), ("as-many-positions-as-samples", 5))},
+    "positions-without-the-batch-built-ids": (partial(PositionsWithoutTheBatch, "built-ids"),
+                                              _ids(4)),
 }
 
 
@@ -140,7 +181,10 @@ def test_broadcast_calls_match_the_loop(case, loss_type):
 
 @pytest.mark.parametrize("case", ["positions", "positions-called-with-the-batch",
                                   "repeated-positions", "step-embedding",
-                                  "step-embedding-as-many-positions-as-samples"])
+                                  "step-embedding-as-many-positions-as-samples",
+                                  "positions-without-the-batch-add-as-many-positions-as-samples",
+                                  "positions-without-the-batch-expanded-T-6",
+                                  "positions-without-the-batch-built-ids"])
 def test_float32_matches_the_loop(case):
     make, inputs = CASES[case]
     torch.manual_seed(0)
@@ -704,3 +748,56 @@ def test_dropout_of_an_expanded_output_draws_one_mask(positions, dtype):
         psh.compute_grad1(model)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad1.double(), expected[n], **loop_tolerance(dtype))
+
+
+@pytest.mark.parametrize("form_on_arrival", [False, True])
+@pytest.mark.parametrize("length", [6, 5])
+def test_positions_without_the_batch_in_the_output_edge_backward(length, form_on_arrival):
+    """DPSGD's backward to the hooked outputs reaches the followed positions' use sites, and
+    the positions' call is not formed on arrival (its gradients are pulled back later)."""
+    from norms_truth import loop_clipped, loop_norms
+
+    from per_sample_hooks.dp import OutputEdges
+    torch.manual_seed(0)
+    model = PositionsWithoutTheBatch().double()
+    ids = torch.randint(0, 9, (5, length), generator=seeded(2))
+    psh.add_hooks(model, check_unseen=False)  # (a checked step's backward is ordinary)
+    edges = OutputEdges(model, form_on_arrival=form_on_arrival)
+    edges.backward(weighted_square(model(ids)).mean())
+    assert all(p.grad is None for p in model.parameters())
+    psh.clip_grads(model, 0.3)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    edges.remove()
+    psh.remove_hooks(model)
+    total, _, grads = loop_norms(model, [ids], weighted_square, "mean")
+    for n, expected in loop_clipped(grads, total, 0.3, "mean").items():
+        torch.testing.assert_close(got[n], expected, rtol=1e-9, atol=1e-10)
+
+
+class PositionsAsAWeight(PositionsWithoutTheBatch):
+    def forward(self, ids):
+        positions = self.positions(torch.arange(ids.shape[1]))  # [T, d]
+        return torch.tanh(F.linear(self.tokens(ids), positions)).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_positions_without_the_batch_used_otherwise_than_broadcast_are_refused(dtype):
+    """Positions ``[T, d]`` taken as a weight against the batch's tokens: not broadcast over the
+    samples, so they have no per-sample gradient to take there; refused naming the module and
+    the op, and the next step (the tokens alone) is clean."""
+    model = PositionsAsAWeight().to(dtype)
+    psh.add_hooks(model)
+    model(torch.randint(0, 9, (5, 6))).sum().backward()
+    with pytest.raises(psh.PerSampleHooksError, match="'positions' was called on indices of "
+                       "shape \\(6,\\) made inside the forward.*meets a tensor of the batch "
+                       "in linear"):
+        psh.compute_grad1(model)
+    model.positions.weight.requires_grad_(False)
+    model.zero_grad()
+    ids = torch.randint(0, 9, (5, 6))
+    weighted_square(model(ids)).sum().backward()
+    psh.compute_grad1(model, loss_type="sum")
+    expected = loop_grads(copy.deepcopy(model).double(), [ids], weighted_square, 5)
+    torch.testing.assert_close(model.tokens.weight.grad1.double(), expected["tokens.weight"],
+                               **loop_tolerance(dtype))
+    psh.remove_hooks(model)

@@ -427,23 +427,18 @@ class StepEmbedded(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("unsqueezed", [False, True])
 @pytest.mark.parametrize("dim", [4, 6])
-def test_a_lookup_of_a_0_dim_index_is_refused_naming_the_missing_batch_dim(dim, dtype):
-    """``emb(torch.tensor(t))`` gives one row ``[d]``, no batch: an IndexError inside the rule
-    where ``d`` is the batch size, else refused as positions merged into the batch. Refused
-    saying the batch dim is missing; with the index unsqueezed, exact against the loop."""
+def test_a_lookup_of_a_0_dim_index_broadcast_over_the_batch(dim, unsqueezed, dtype):
+    """``emb(torch.tensor(t))`` gives one row ``[d]``, no batch (an IndexError inside the rule
+    where ``d`` was the batch size, else refused as positions merged into the batch): followed
+    to where the model broadcasts it over the batch; ``index.unsqueeze(0)``, ``[1, d]``, is
+    expanded over the batch. Both exact against the loop."""
     torch.manual_seed(0)
-    model, x = StepEmbedded(dim, unsqueezed=False).to(dtype), torch.randn(4, 3, dtype=dtype)
-    with psh.add_hooks(model):
-        model(x).square().sum().backward()
-        with pytest.raises(psh.PerSampleHooksError, match=r"'step' \(Embedding\) got an input "
-                           r"of shape \(\), without a batch dim .*unsqueeze\(0\)"):
-            psh.compute_grad1(model)
-    model.unsqueezed = True
+    model, x = StepEmbedded(dim, unsqueezed).to(dtype), torch.randn(4, 3, dtype=dtype)
     expected = loop_grads(copy.deepcopy(model).double(), [x.double()],
                           lambda out: out.square().sum(1), 4)
     with psh.add_hooks(model):
-        model.zero_grad()
         model(x).square().sum().backward()
         psh.compute_grad1(model, loss_type="sum")
         for n, p in model.named_parameters():

@@ -487,25 +487,16 @@ RELATIVE_BIASES = {  # model, its batch, the size and module refused, the units 
                "'swinv2.encoder.layers.0.blocks.0.attention.self.continuous_position_bias_mlp"
                ".0' was called with batch size 1 .*relu",
                lambda m: list(m.swinv2.encoder.layers)),
-    "perceiver": (perceiver, classification_batch,
-                  "7 \\(at 'perceiver.input_preprocessor.position_embeddings'\\)",
-                  lambda m: [m.perceiver.input_preprocessor]),
-    "t5": (t5, seq2seq_batch,
-           "7 \\(at 'encoder.block.0.layer.0.SelfAttention.relative_attention_bias'\\)"
-           ".*T5.*each stack",
-           lambda m: [m.encoder, m.decoder]),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(RELATIVE_BIASES))
 def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) -> None:
-    """BEiT's, Swin's and T5's attention adds a bias looked up in a trainable table without
-    the batch (Swin's windows are folded into the batch too; T5's first layer passes its bias
-    on to the others); Swinv2 computes its table with an MLP on a buffer of batch 1 and uses
-    it otherwise than broadcast; Perceiver looks its positions up without the batch: refused
-    naming the module and ``units=``; the layers as units (T5: its encoder and decoder, which
-    hold every use of the bias; Perceiver: its text preprocessor) are exact."""
+    """BEiT's and Swin's attention adds a bias picked from a trainable table by an index
+    without the batch (Swin's windows are folded into the batch too); Swinv2 computes its table
+    with an MLP on a buffer of batch 1 and uses it otherwise than broadcast: refused naming the
+    module and ``units=``; the layers as units are exact."""
     make, batch_of, refused, units = RELATIVE_BIASES[name]
     torch.manual_seed(0)
     model = make().to(dtype).train()
@@ -518,6 +509,35 @@ def test_relative_position_biases_are_refused_and_exact_as_units(name, dtype) ->
             psh.compute_grad1(model)
         psh.remove_hooks(model)
         psh.add_hooks(model, units=units(model))
+        got = grad1_rows(model, batch)
+    finally:
+        psh.remove_hooks(model)
+    assert_rows_close(got, loop_grads(model, batch), dtype, name)
+
+
+LOOKUPS_WITHOUT_THE_BATCH = {"t5": (t5, seq2seq_batch), "perceiver": (perceiver,
+                                                                      classification_batch)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("length", ["other", "the batch size"])
+@pytest.mark.parametrize("name", list(LOOKUPS_WITHOUT_THE_BATCH))
+def test_lookups_without_the_batch_are_followed_to_it_and_exact(name, length, dtype) -> None:
+    """T5's relative position bias, looked up from buckets ``[T, T]`` made in the forward and
+    added to every layer's scores (its first layer passes it on to the others), and
+    Perceiver's positions, looked up as ``arange(T)``: their outputs are followed to where the
+    model broadcasts them over the batch, exact; with as many positions as samples too, where
+    the shapes cannot tell the positions from the batch (the rows were taken for the samples:
+    100% off, silently)."""
+    make, batch_of = LOOKUPS_WITHOUT_THE_BATCH[name]
+    torch.manual_seed(0)
+    model = make().to(dtype).train()
+    batch = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in batch_of(seeded(1)).items()}
+    if length == "the batch size":
+        batch = {k: v[:, :B].contiguous() if v.dim() == 2 else v for k, v in batch.items()}
+    try:
+        psh.add_hooks(model)
         got = grad1_rows(model, batch)
     finally:
         psh.remove_hooks(model)
