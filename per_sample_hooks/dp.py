@@ -644,6 +644,15 @@ class DPSGD:
         batch from :meth:`batches` was empty (False when :meth:`batches` is not used)."""
         if self._pieces_left:
             return self.accumulate(empty_batch, groups)
+        syncing = getattr(getattr(self.optimizer, "gradient_state", None), "sync_gradients", True)
+        if not syncing:  # accelerate's optimizer inside accelerator.accumulate(model)
+            raise PerSampleHooksError(
+                "DPSGD.step: the optimizer is accelerate's, on a micro-batch that "
+                "accelerator.accumulate() does not sync (gradient_accumulation_steps > 1): its "
+                "step() would do nothing, and this micro-batch would be privatized alone, the "
+                "earlier ones dropped, and counted as a step. Add micro-batches with "
+                "dp.accumulate() and step on the last: `dp.step() if accelerator.sync_gradients "
+                "else dp.accumulate()` (nothing was changed: call it now)")
         norms = self.privatize(empty_batch, groups)
         if self.adaptive_clipping is not None:
             self._adapt_threshold()

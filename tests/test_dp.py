@@ -1119,3 +1119,28 @@ def test_dp_backward_of_a_forward_with_the_hooks_disabled_names_them():
     finally:
         dp.close()
         psh.remove_hooks(model)
+
+
+def test_a_step_on_a_micro_batch_accelerate_does_not_sync_is_refused():
+    """accelerate's optimizer skips ``step()`` inside ``accelerator.accumulate`` on the
+    micro-batches it does not sync: DPSGD privatized each alone (the earlier ones dropped,
+    65-220% off) and counted it as a step. Refused, nothing changed; ``dp.accumulate()`` on such
+    micro-batches and ``dp.step()`` on the last give the one-batch step."""
+    import types
+    model, dp = _setup(noise=0.0, max_norm=0.5, batch_size=4)
+    twin, reference = _setup(noise=0.0, max_norm=0.5, batch_size=4)
+    dp.optimizer.gradient_state = types.SimpleNamespace(sync_gradients=False)
+    _backward(model, [0, 1])
+    with pytest.raises(psh.PerSampleHooksError, match="accelerator.accumulate.*dp.accumulate()"):
+        dp.step()
+    assert dp.steps == 0
+    dp.accumulate()
+    dp.zero_grad()
+    _backward(model, [2, 3])
+    dp.optimizer.gradient_state.sync_gradients = True
+    dp.step()
+    _backward(twin, [0, 1, 2, 3])
+    reference.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+    assert dp.steps == reference.steps == 1

@@ -75,8 +75,10 @@ def chunk_ranges(batch: int, per_sample: int) -> list[tuple[int, int]]:
 
 def moment_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of second moments (squares, norms, curvature) of ``dtype`` values: float32 for
-    float16, whose range (6e-8 to 65504) squares leave; else ``dtype``."""
-    return torch.float32 if dtype == torch.float16 else dtype
+    float16, whose range (6e-8 to 65504) squares leave, and for bfloat16, whose 8 bits of
+    precision the ghost norm's sums of products of either sign lose (20-130% off where a
+    sample's positions cancel by 30-100x); else ``dtype``."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _norm_dtype(t: Tensor) -> torch.dtype | None:
@@ -132,6 +134,7 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
                 if a1 < positions:
                     total.add_(products[..., a1 - a0:].sum((1, 2, 3)), alpha=2)
             result[start:stop] = total
+        _materialize_cancelled(result, acts, grads)
         return result
     if method != "materialize":
         raise ValueError(f"unknown norm method {method!r}")
@@ -145,6 +148,36 @@ def weight_norms_squared(acts: Tensor, grads: Tensor, method: Method | None = No
         torch.bmm(flat_g[rows].transpose(1, 2), flat_a[rows], out=per_sample)
         result[start:stop] = sum_of_squares(per_sample.view(stop - start, -1))
     return result
+
+
+GHOST_TRUST = 100.0
+"""A ghost norm is recomputed where it is below ``GHOST_TRUST * eps * sqrt(d + p)`` times the
+sum of its diagonal terms (:func:`_materialize_cancelled`)."""
+
+
+def _materialize_cancelled(result: Tensor, acts: Tensor, grads: Tensor) -> None:
+    """Recompute, materialized in float64, the ghost norms ``result`` of the samples whose
+    positions' terms cancel. The ghost norm ``sum_{t,s} (g_t.g_s)(a_t.a_s)`` adds ``T^2`` terms
+    of either sign, each Gram entry rounded by about ``eps sqrt(d)`` of ``|a_t||a_s|``: its
+    error is of the order of ``eps sqrt(d + p)`` times the diagonal ``D = sum_t |a_t|^2
+    |g_t|^2``, which is the norm of a sample whose positions' terms are unrelated (then
+    exact to ``eps``). A sample whose per-position gradients cancel (a model near its minimum,
+    repeated tokens with opposite gradients) has a norm far below ``D``: the ghost value is
+    then mostly rounding, even negative (a NaN norm, or a clipping that leaves the sample above
+    ``max_grad_norm``), so below ``GHOST_TRUST`` times that error it is replaced by the norm of
+    ``G_b^T A_b`` in float64 (few samples: the bound rarely holds for ordinary data)."""
+    batch, groups, positions, d = acts.shape
+    p = grads.shape[-1]
+    diagonal = (_sum_of_squares_last(acts) * _sum_of_squares_last(grads)).sum((1, 2))
+    trusted = GHOST_TRUST * torch.finfo(acts.dtype).eps * math.sqrt(d + p) * diagonal
+    suspect = (result <= trusted.to(result.dtype)).nonzero().flatten()
+    if len(suspect) == 0:
+        return
+    for start, stop in chunk_ranges(len(suspect), groups * p * d):
+        samples = suspect[start:stop]
+        product = torch.einsum("bgtp,bgtd->bgpd", grads[samples].double(),
+                               acts[samples].double())
+        result[samples] = product.square().sum((1, 2, 3)).to(result.dtype)
 
 
 def bias_norms_squared(grads: Tensor) -> Tensor:
