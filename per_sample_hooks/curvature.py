@@ -237,7 +237,8 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     pass the same ``loss_type`` to the ``compute_*`` functions. ``p.grad`` is not touched
     (``torch.autograd.grad`` on the graph's leaves). Call it on a fresh forward, before any
     other backward of the step: every captured pass counts. ``retain_graph=True`` keeps the
-    graph for a later ``loss.backward()`` (after the ``compute_*`` call).
+    graph for a later ``loss.backward()`` (after the ``compute_*`` call), for ``p.grad``:
+    per-sample gradients of those records are refused (they hold these passes too).
 
     ``edges``: an :class:`~per_sample_hooks.edges.OutputEdges` of the model, made before the
     forward: each pass then goes only as far as the hooked modules' outputs it recorded, and

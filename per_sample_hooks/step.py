@@ -430,6 +430,12 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     if not grouped:
         _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
                                           batch_size, sizes[batch_size][0], caller)
+    if status.hess_passes and caller in ("compute_grad1", "compute_norms", "clip_grads"):
+        raise PerSampleHooksError(
+            f"{caller}: this step's records hold the {status.hess_passes} backward passes of "
+            "backprop_hess (columns of the loss Hessian's square root), which per-sample "
+            "gradients would add to the loss's (5-150% off). Take per-sample gradients in a "
+            "step of their own (a new forward and loss.backward()), or before backprop_hess")
     if status.hess_passes and status.hess_rows != batch_size:
         raise PerSampleHooksError(
             f"{caller}: backprop_hess was given an output of {status.hess_rows} rows, but the "

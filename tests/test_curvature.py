@@ -777,3 +777,30 @@ def test_second_moments_of_two_ordinary_backward_passes_are_those_of_their_sum(d
         with pytest.raises(PerSampleHooksError, match=r"backward passes where backprop_hess "
                                                       r"ran 3: another backward of the step"):
             psh.compute_fisher_diag(model)
+
+
+@pytest.mark.parametrize("verb", ["compute_grad1", "compute_norms", "clip_grads"])
+def test_per_sample_gradients_after_backprop_hess_are_refused(verb):
+    """``backprop_hess(out, retain_graph=True)``, a curvature call, then the loss's backward of
+    the same forward: the records hold the Hessian passes too, which grad1, norms and clipping
+    added to the loss's (5-150% off, silently). Refused; a step of their own is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    psh.add_hooks(model)
+    out = model(x)
+    psh.backprop_hess(out, "CrossEntropy", retain_graph=True)
+    psh.compute_hess(model)
+    F.cross_entropy(out, y).backward()
+    with pytest.raises(psh.PerSampleHooksError, match=f"{verb}: this step's records hold the 3 "
+                       "backward passes of backprop_hess"):
+        getattr(psh, verb)(model, **({"max_grad_norm": 1e9} if verb == "clip_grads" else {}))
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    psh.compute_grad1(model)
+    params = list(model.parameters())
+    for i in range(4):
+        expected = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+        for p, g in zip(params, expected):
+            torch.testing.assert_close(p.grad1[i], g, rtol=1e-9, atol=1e-12)
+    psh.remove_hooks(model)
