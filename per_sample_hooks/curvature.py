@@ -413,7 +413,7 @@ def _nonempty_step(model: nn.Module, loss_type: LossType, caller: str, *,
     batch is its zeros, which the ranks' weighted mean (``torch.distributed``, several ranks)
     weighs 0; so it is taken there, where a refusal on one rank would leave the others waiting
     in that mean's all-reduce."""
-    state, step = prepare_step(model, loss_type, caller)
+    state, step = prepare_step(model, loss_type, caller, curvature=True)
     if step.batch_size == 0 and not (empty_of_rank and several_ranks()):
         raise PerSampleHooksError(
             f"{caller}: the step's batch is empty (0 samples): there is no curvature or second "

@@ -68,7 +68,7 @@ broadcasting it over the samples.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -367,6 +367,21 @@ class Site:
     value: Derived
     shape: torch.Size
     batch_dim: int
+
+
+def gradients_by_value(site_grads: Iterable[tuple[Site, Tensor]]
+                       ) -> list[tuple[Derived, Tensor]]:
+    """Per derived value: its per-sample gradient ``[B, *value.shape]``, the gradients of its
+    sites (each the watched view's, ``B`` at the site's ``batch_dim``) added."""
+    summed: dict[int, tuple[Derived, Tensor]] = {}
+    for site, grad in site_grads:
+        per_sample = grad.movedim(site.batch_dim, 0).reshape(grad.shape[site.batch_dim],
+                                                               *site.shape)
+        key = id(site.value)
+        if key in summed:
+            per_sample = per_sample + summed[key][1]
+        summed[key] = (site.value, per_sample)
+    return list(summed.values())
 
 
 @dataclass

@@ -10,7 +10,8 @@ tell). Its output is returned as a :class:`SharedOutput` (a tensor subclass, the
 whose ops are watched:
 
 - an op of followed values and constants only (a permute, ``[None]``, a scale) gives a
-  followed value, with the op recorded (a :class:`Recipe` from the output);
+  followed value, with the op recorded (a :class:`~per_sample_hooks.raw_uses.Derived` from
+  the output);
 - a broadcasting op (``+``, ``*``, ``where``, matmul's batch dims, in place into the batch's
   tensor: ``scores += bias``) with a tensor of the batch, where a followed value has size 1
   (or no dim) at the batch dim, is a *use site*: the op runs with that value expanded over the
@@ -54,6 +55,10 @@ from .capture import (
     writes_in_place,
 )
 from .errors import PerSampleHooksError
+from .raw_uses import Derived, Site, gradients_by_value
+
+OUTPUT = "output"
+"""The name of the followed call's output in its values' recipes."""
 
 MOST_OPS = 32
 """How many ops of its own a followed value may go through before it meets the batch."""
@@ -69,36 +74,6 @@ _RANDOM = frozenset({"dropout", "dropout_", "alpha_dropout", "feature_alpha_drop
                      "randn_like", "randint_like", "multinomial", "normal"})
 
 
-class Recipe:
-    """A followed value: the output itself (``func`` None), or output ``index`` (None: the only
-    one) of ``func(*args, **kwargs)`` with followed values as recipes among the arguments."""
-
-    __slots__ = ("func", "args", "kwargs", "index")
-
-    def __init__(self, func: Callable[..., Any] | None = None, args: tuple = (),
-                 kwargs: dict | None = None, index: int | None = None):
-        self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
-
-    def evaluate(self, output: Tensor) -> Tensor:
-        """The value again from ``output`` (differentiable in it)."""
-        if self.func is None:
-            return output
-        args, kwargs = tree_map(lambda a: a.evaluate(output) if isinstance(a, Recipe) else a,
-                                (self.args, self.kwargs))
-        result = self.func(*args, **kwargs)
-        return result if self.index is None else result[self.index]
-
-
-@dataclass
-class Site:
-    """A use site: the followed ``value`` (shape ``shape``) expanded over the batch at
-    ``batch_dim`` of the watched view, whose gradients (one per backward pass) are ``grads``."""
-    value: Recipe
-    shape: torch.Size
-    batch_dim: int
-    grads: list[Tensor] = field(default_factory=list)
-
-
 @dataclass
 class SharedCall:
     """What the following of one call's output found (:attr:`Call.shared`)."""
@@ -109,7 +84,8 @@ class SharedCall:
     ambiguous: bool
     output: Tensor  # detached
     state: HookState
-    sites: list[Site] = field(default_factory=list)
+    #: the use sites, each with its gradients (one per backward pass)
+    sites: list[tuple[Site, list[Tensor]]] = field(default_factory=list)
     #: what the model did with a followed value that cannot be followed (refused)
     problem: str | None = None
     #: the call's rows were the samples (the following ended; the call is as captured)
@@ -148,17 +124,17 @@ def follow(call: Call, output: Tensor, batch: int, state: HookState) -> Tensor:
     ambiguous = output.dim() > dim and output.shape[dim] == batch
     call.shared = SharedCall(call.name, batch, dim, ambiguous, output.detach(), state)
     state.status.followed.append(call.shared)
-    return SharedOutput.wrap(output, call.shared, Recipe())
+    return SharedOutput.wrap(output, call.shared, Derived(OUTPUT, output.detach()))
 
 
 class SharedOutput(Tensor):
     """A value computed from a followed call's output alone (see the module's docstring)."""
 
     #: the call, and how the value is computed from its output
-    followed: tuple[SharedCall, Recipe]
+    followed: tuple[SharedCall, Derived]
 
     @staticmethod
-    def wrap(t: Tensor, shared: SharedCall, recipe: Recipe) -> Tensor:
+    def wrap(t: Tensor, shared: SharedCall, recipe: Derived) -> Tensor:
         value = t.as_subclass(SharedOutput)
         value.followed = (shared, recipe)
         return value
@@ -215,10 +191,10 @@ class SharedOutput(Tensor):
             recipes = tree_map(lambda a: a.followed[1] if isinstance(a, SharedOutput) else a,
                                (args, kwargs))
             if isinstance(result, Tensor):
-                return cls.wrap(result, shared, Recipe(func, *recipes)) \
+                return cls.wrap(result, shared, Derived(None, None, func, *recipes)) \
                     if type(result) is Tensor else result
             return type(result)(
-                cls.wrap(t, shared, Recipe(func, *recipes, index=k))
+                cls.wrap(t, shared, Derived(None, None, func, *recipes, index=k))
                 if type(t) is Tensor else t for k, t in enumerate(result))
 
 
@@ -296,9 +272,9 @@ def _use_site(value: SharedOutput, rank: int) -> Tensor:
     shape = list(padded.shape)
     shape[shared.batch_dim] = shared.batch
     view = padded.expand(shape)
-    site = Site(recipe, value.shape, shared.batch_dim)
-    shared.sites.append(site)
-    capture_gradient(view, site.grads, shared.state)
+    grads: list[Tensor] = []
+    shared.sites.append((Site(recipe, value.shape, shared.batch_dim), grads))
+    capture_gradient(view, grads, shared.state)
     for notify in shared.state.listeners.on_capture:
         notify(view)
     return view
@@ -320,7 +296,7 @@ def resolve(call: Call) -> None:
     if shared.batched or not shared.sites:
         return  # as captured: the rows are the samples, or the step's batch check refuses
     passes = len(call.grads[0])
-    if any(len(site.grads) != passes for site in shared.sites):
+    if any(len(grads) != passes for _, grads in shared.sites):
         raise PerSampleHooksError(
             f"'{shared.name}' was called on indices made inside the forward and its output "
             "broadcast over the batch in several places, which the step's backward passes "
@@ -335,21 +311,14 @@ def resolve(call: Call) -> None:
 
 def _pulled_back(shared: SharedCall, k: int) -> Tensor:
     """``[B, *output.shape]``: the per-sample gradients of the output in backward pass ``k``,
-    its sites' pulled back through their recipes and added."""
-    by_value: dict[int, tuple[Recipe, Tensor]] = {}
-    for site in shared.sites:
-        grad = site.grads[k]
-        per_sample = grad.movedim(site.batch_dim, 0).reshape(grad.shape[site.batch_dim],
-                                                              *site.shape)
-        key = id(site.value)
-        if key in by_value:
-            per_sample = per_sample + by_value[key][1]
-        by_value[key] = (site.value, per_sample)
+    its sites' pulled back through their recorded ops and added."""
     total = None
-    for recipe, per_sample in by_value.values():
-        if recipe.func is not None:
+    for value, per_sample in gradients_by_value((site, grads[k])
+                                                for site, grads in shared.sites):
+        if not value.is_parameter:  # (the output itself: as it is)
             with torch.enable_grad():
-                _, vjp = torch.func.vjp(recipe.evaluate, shared.output)
+                _, vjp = torch.func.vjp(lambda out, v=value: v.evaluate({OUTPUT: out}),
+                                        shared.output)
                 (per_sample,) = torch.func.vmap(vjp)(per_sample)
         total = per_sample if total is None else total + per_sample
     return total

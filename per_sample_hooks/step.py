@@ -172,13 +172,14 @@ def reparametrized_since_hooks(state: HookState, module: nn.Module,
         known is not None and not known.issuperset(params)))
 
 
-def prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool = False
-                 ) -> tuple[HookState, Step]:
+def prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool = False,
+                 curvature: bool = False) -> tuple[HookState, Step]:
     """Check what was captured and pair each hooked module with its rule and calls
-    (``grouped``: the caller groups the rows into samples, ``groups=``); a refusal ends the
-    step (:func:`refusal_ends_step`)."""
+    (``grouped``: the caller groups the rows into samples, ``groups=``; ``curvature``: the
+    caller reads ``backprop_hess``'s passes, which per-sample gradients refuse); a refusal ends
+    the step (:func:`refusal_ends_step`)."""
     with refusal_ends_step(model):
-        return _prepare_step(model, loss_type, caller, grouped)
+        return _prepare_step(model, loss_type, caller, grouped, curvature)
 
 
 @contextlib.contextmanager
@@ -195,8 +196,8 @@ def refusal_ends_step(model: nn.Module) -> Iterator[None]:
         raise
 
 
-def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool
-                  ) -> tuple[HookState, Step]:
+def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: bool,
+                  curvature: bool) -> tuple[HookState, Step]:
     if loss_type not in ("mean", "sum"):
         raise ValueError(f"{caller}: loss_type must be 'mean' or 'sum', got {loss_type!r}")
     state = get_state(model)
@@ -430,7 +431,7 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
     if not grouped:
         _refuse_rows_that_are_not_samples(state.model_input_shapes, state.model_batch_dim,
                                           batch_size, sizes[batch_size][0], caller)
-    if status.hess_passes and caller in ("compute_grad1", "compute_norms", "clip_grads"):
+    if status.hess_passes and not curvature:
         raise PerSampleHooksError(
             f"{caller}: this step's records hold the {status.hess_passes} backward passes of "
             "backprop_hess (columns of the loss Hessian's square root), which per-sample "

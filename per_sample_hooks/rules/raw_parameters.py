@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..capture import Call, summed_passes
 from ..errors import PerSampleHooksError
 from ..forms import Dense, Form, one_group
-from ..raw_uses import Derived, LinearSite, Site, Uses, follow_raw_uses
+from ..raw_uses import Derived, LinearSite, Site, Uses, follow_raw_uses, gradients_by_value
 from .base import Rule
 from .fallback import FallbackRule
 from .linear import flatten_positions
@@ -45,18 +45,9 @@ def _uses(call: Call) -> Uses:
 def site_gradients(call: Call) -> list[tuple[Derived, Tensor]]:
     """Per derived value of ``call``'s use sites: its per-sample gradient ``[B, *t.shape]``,
     summed over the value's sites and the backward passes."""
-    summed: dict[int, tuple[Derived, Tensor]] = {}
-    for site, passes in zip(_uses(call).sites, call.watched):
-        if not passes or isinstance(site, LinearSite):  # did not reach the loss; a Linear's
-            continue
-        grad = summed_passes(passes)
-        per_sample = grad.movedim(site.batch_dim, 0).reshape(grad.shape[site.batch_dim],
-                                                               *site.shape)
-        key = id(site.value)
-        if key in summed:
-            per_sample = per_sample + summed[key][1]
-        summed[key] = (site.value, per_sample)
-    return list(summed.values())
+    return gradients_by_value(  # (none: did not reach the loss; a Linear's: its forms)
+        (site, summed_passes(passes)) for site, passes in zip(_uses(call).sites, call.watched)
+        if passes and not isinstance(site, LinearSite))
 
 
 def linear_forms(call: Call, names: Sequence[str]) -> list[tuple[str, Form]]:
