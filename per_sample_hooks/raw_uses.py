@@ -63,13 +63,15 @@ from its parent) reaches ``p.grad`` and not the use sites: the unseen-use check
 
 Assumption, as everywhere in this library: a tensor of the module's forward that carries the
 batch carries it at ``batch_dim``; an expand of a derived value to size ``B`` there is read as
-broadcasting it over the samples.
+broadcasting it over the samples, unless the batch meets it at another dim (an expand over
+``T == B`` positions, ``tok[0].expand(T, -1) + x``): then it was a derived value after all
+(:meth:`_Forward.provisional`).
 """
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -444,6 +446,17 @@ def _in_place(func: Callable[..., Any], kwargs: dict) -> bool:
         or kwargs.get("out") is not None
 
 
+@dataclass
+class _Expansion:
+    """An expand of derived values to size B at batch_dim in an op without the batch: its use
+    sites, and the values computed from it alone (id: the tensor and its recipe), provisional
+    batches until the batch meets one (:meth:`_Forward.provisional`); ``used``: one met the
+    batch there, or left the forward."""
+    sites: list[Site | LinearSite] = field(default_factory=list)
+    values: dict[int, tuple[Tensor, Derived]] = field(default_factory=dict)
+    used: bool = False
+
+
 class _Forward:
     """The tables of one call of the owner, for the length of its forward."""
 
@@ -467,6 +480,9 @@ class _Forward:
         self.unseen: dict[int, tuple[Tensor, str]] = {}
         self.watched: list[Tensor] = []
         self.record = Uses([])
+        # values of an expand to B of derived values with no batch in the op (provisional
+        # batches, see :meth:`provisional`), each with the expand they come from
+        self.expansion_of: dict[int, _Expansion] = {}
 
     def refuse(self, problem: str) -> None:
         if self.record.problem is None:
@@ -483,6 +499,89 @@ class _Forward:
 
     def apply(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> object:
         inputs = _leaves(args, kwargs, Tensor)
+        expansions = self.provisional(inputs)
+        first = len(self.watched)
+        out = self.follow(func, args, kwargs, inputs)
+        if expansions or len(self.watched) > first and (func in EXPANDS or func in REPEAT) \
+                and not any(id(t) in self.batched for t in inputs):
+            self.expanded(expansions, first, func, *self.template(args, kwargs), out)
+        return out
+
+    def provisional(self, inputs: list[Tensor]) -> list[_Expansion]:
+        """The expansions of the provisional batches among ``inputs`` (an op of them without
+        the batch follows them further), or none where the op has the batch too.
+
+        An expand of derived values to size B at batch_dim in an op without the batch
+        (``tok.expand(B, -1, -1)``) is taken for their broadcast over the samples, a use
+        site; but it may be an expand over positions that happen to number B
+        (``tok[0].expand(T, -1)``, einops' ``repeat(tok, '1 1 d -> 1 t d')``, T == B), whose
+        dim 0 the batch meets at another dim (``x [B, T, d] + e``). Where the batch meets such
+        a value with size 1 at its batch_dim (padded to the batch's rank), the expand was
+        over positions: its sites are dropped and its values are derived after all, as they
+        are where T != B."""
+        expansions = {id(e): e for e in map(self.expansion_of.get, map(id, inputs))
+                      if e is not None}
+        if not expansions:
+            return []
+        real = [t for t in inputs if id(t) in self.batched and id(t) not in self.expansion_of]
+        if not real:
+            return list(expansions.values())
+        rank = max(t.dim() for t in inputs if id(t) in self.batched)
+        dim = self.uses.batch_dim if self.uses.batch_dim >= 0 else self.uses.batch_dim + rank
+        for t in inputs:
+            expansion = self.expansion_of.get(id(t))
+            if expansion is not None and self.padded_size(t, rank, dim) == 1 != self.batch_size:
+                self.derived_after_all(expansion)
+            elif expansion is not None:
+                expansion.used = True
+        return []
+
+    def derived_after_all(self, expansion: _Expansion) -> None:
+        """Drop the sites of an expand over positions, and make its values derived."""
+        if expansion.used:
+            value = next(iter(expansion.values.values()))[1]
+            self.refuse(
+                f"expands its raw parameter(s) {_describe(value)} to the batch's size at "
+                "batch_dim, and the batch meets the result both there "
+                "and at another dim: expand it where it meets the batch (`x + p`)")
+            return
+        for site in expansion.sites:
+            index = next(i for i, s in enumerate(self.record.sites) if s is site)
+            del self.record.sites[index], self.watched[index]
+        for key, entry in expansion.values.items():
+            self.expansion_of.pop(key)
+            self.batched.pop(key, None)
+            self.moved.pop(key, None)
+            self.tracked[key] = entry
+
+    def expanded(self, expansions: list[_Expansion], first: int, func: Callable[..., Any],
+                 args: tuple, kwargs: dict, out: object) -> None:
+        """Record an op's batched outputs (and the sites it made) as provisional, of the
+        expansion of its inputs (a new one: an expand of derived values)."""
+        expansion = expansions[0] if expansions else _Expansion()
+        for other in expansions[1:]:
+            expansion.sites += other.sites
+            expansion.values.update(other.values)
+            expansion.used |= other.used
+            self.expansion_of.update(dict.fromkeys(other.values, expansion))
+        expansion.sites += self.record.sites[first:]
+        several = isinstance(out, (tuple, list))
+        for index, o in enumerate(out if several else [out]):
+            if isinstance(o, Tensor) and id(o) in self.batched:
+                expansion.values[id(o)] = (o, Derived(func=func, args=args, kwargs=kwargs,
+                                                      index=index if several else None))
+                self.expansion_of[id(o)] = expansion
+
+    def template(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with derived (and provisional) tensors as :class:`Derived`."""
+        def one(a: Tensor) -> object:
+            expansion = self.expansion_of.get(id(a))
+            entry = self.tracked.get(id(a)) if expansion is None else expansion.values[id(a)]
+            return a if entry is None else entry[1]
+        return _replace(args, kwargs, Tensor, one)
+
+    def follow(self, func: Callable[..., Any], args: tuple, kwargs: dict,
+               inputs: list[Tensor]) -> object:
         if any(id(t) in self.uses.descendants and t.requires_grad for t in inputs):
             # a descendant's trainable parameter: refused only where a gradient can flow back
             # from the result (not a read of its dtype or shape, not a detach)
@@ -725,11 +824,7 @@ class _Forward:
         out = func(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out
-
-        def template(a: Tensor) -> object:
-            entry = self.tracked.get(id(a))
-            return a if entry is None else entry[1]
-        args_, kwargs_ = _replace(args, kwargs, Tensor, template)
+        args_, kwargs_ = self.template(args, kwargs)
         several = isinstance(out, (tuple, list))
         for index, o in enumerate(out if several else [out]):
             if isinstance(o, Tensor) and o.requires_grad and id(o) not in self.tracked \
@@ -758,6 +853,7 @@ class _Forward:
         inputs = _leaves(args, kwargs, Tensor)
         where = f"a call of its child '{self.uses.names.get(child, '?')}'"
         self.check_inputs(inputs, where)
+        self.keep_expansions(inputs)
         for t in inputs:
             entry = self.tracked.get(id(t))
             if entry is not None:
@@ -778,9 +874,17 @@ class _Forward:
                             f"{where} ({type(child).__name__}), whose rule takes its rows for "
                             "the batch's")
 
+    def keep_expansions(self, tensors: list[Tensor]) -> None:
+        """Provisional batches that leave the forward are the batch (a child's input, an
+        output)."""
+        for t in tensors:
+            if id(t) in self.expansion_of:
+                self.expansion_of[id(t)].used = True
+
     def check_output(self, output: object) -> None:
         tensors = _flat_tensors(output)
         self.check_inputs(tensors, "its output")
+        self.keep_expansions(tensors)
         for t in tensors:
             entry = self.tracked.get(id(t))
             if entry is not None and self.record.problem is None:

@@ -377,8 +377,32 @@ class LatentsAttend(nn.Module):
         return latents + scores @ x
 
 
+class ExpandedOverPositions(nn.Module):
+    """A token and a gate expanded over the positions, not the batch, then added to the batch
+    ``[B, T, d]``: by hand (``tok[0].expand(T, -1)``), as einops' ``repeat(tok, '1 1 d -> 1 t
+    d')`` does it (to ``[d]``, expanded to ``[T, d]``, reshaped to ``[1, T, d]``), and through
+    an op of two such expands before the batch. Where T == B (5 positions in a batch of 5) each
+    expand has the batch's size at batch_dim, like ``cls_token.expand(B, -1, -1)``: the batch
+    meets it at dim 1, so it was over the positions after all."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.proj, self.head = nn.Linear(3, d), nn.Linear(d, 2)
+        self.tok = nn.Parameter(torch.randn(1, 1, d))
+        self.gate = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):  # [B, T, 3]
+        positions = x.shape[1]
+        by_hand = self.tok[0].expand(positions, -1)
+        einops_like = self.tok.reshape(-1).expand(positions, -1).reshape(1, positions, -1)
+        gated = einops_like * self.gate.expand(positions, -1)
+        return self.head(self.proj(x) + by_hand + gated)
+
+
 CASES = {
     "vit": (ViTLike, images),
+    "expanded_over_positions": (ExpandedOverPositions, lambda b: [torch.randn(b, 5, 3)]),
+    "expanded_over_other_positions": (ExpandedOverPositions, lambda b: [torch.randn(b, 4, 3)]),
     "latents": (LatentsAttend, lambda b: [torch.randn(b, 5, 4)]),
     "layer_scale": (LayerScaleBlock, lambda b: [torch.randn(b, 3, 5)]),
     "learned_bias": (LearnedBias, lambda b: [torch.randn(b, 2, 4)]),
@@ -530,7 +554,7 @@ def test_a_batch_of_one_leaves_the_gradients_apart(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", ["vit", "sliced_positions", "timm_like", "frozen", "leaves",
-                                  "linear_uses", "matmul_uses"])
+                                  "linear_uses", "matmul_uses", "expanded_over_positions"])
 def test_dpsgd_steps_match_the_loop(case, dtype):
     """DPSGD (no noise, lr 0): the first step (checked: an ordinary backward) and the next ones
     (the output-edge backward, which must reach the watched use sites; per-sample gradients
@@ -819,6 +843,21 @@ class WritesInPlace(nn.Module):
         return self.lin(x) * scale
 
 
+class ExpandedOverBothDims(nn.Module):
+    """One expand of a raw parameter (``[4, 3]``, B = 4) met by the batch at its dim 0 and, as
+    positions, at dim 1: no one reading of it is right."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gamma = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.lin(x)
+        expanded = self.gamma.expand(x.shape[0], -1)
+        return (h + expanded)[:, None] + h[:, None] * expanded
+
+
 class TokenOnConstant(TokenOnZeros):
     """``torch.zeros(B, 1, d)`` is no batch (made from nothing): the token plus it is still a
     value without the batch, and concatenating it with the batch is refused."""
@@ -932,6 +971,8 @@ REFUSALS = {
     Flipped: r"'gamma' in `mul` on rows that `flip` picked along batch_dim",
     PermutedToChild: r"passes rows that `__getitem__` picked along batch_dim .* to a call of "
                      r"its child 'head'",
+    ExpandedOverBothDims: r"expands its raw parameter\(s\) 'gamma' to the batch's size at "
+                          r"batch_dim, and the batch meets the result both there and at another",
 }
 
 
@@ -958,7 +999,7 @@ def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
         assert f"'1' ({module.__name__}) " in message
         assert re.search(REFUSALS[module], message), message
         assert f"units=['{'' if module is Returned else '1'}']" in message
-    if module not in (Returned, Flipped, PermutedToChild):  # nor can the loop
+    if module not in (Returned, Flipped, PermutedToChild, ExpandedOverBothDims):  # nor the loop
         assert_matches_loop(model, [x], loss_fn=loss_fn, units=["1"])
 
 
