@@ -949,6 +949,8 @@ class StepStatus:
     hess_passes: int = 0
     # the rows (dim 0) of the output backprop_hess seeded: each sample's loss Hessian
     hess_rows: int | None = None
+    # the loss_type backprop_hess scaled its passes for ("mixed": two calls, two types)
+    hess_loss_type: str | None = None
     # storage address -> (kind, name) of the model's parameters and buffers, formed the first
     # time in the step that a call's input may be one of them (:attr:`Call.shared_input`)
     model_tensors: dict[int, tuple[str, str]] | None = None

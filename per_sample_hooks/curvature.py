@@ -281,7 +281,7 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     seeds = [seed if roots is None else seed.mul_(roots) for seed in seeds]
     before = edges.captured_passes() if recorded else 0
     states = live_states()  # the hooked models its passes reach get them counted
-    held = [state.captured_passes() for state in states]
+    held = [(state.captured_passes(), state.status.backward_seen) for state in states]
     try:
         for index, seed in enumerate(seeds):
             retain = retain_graph or index < len(seeds) - 1
@@ -294,16 +294,20 @@ def backprop_hess(output: Tensor, hess_type: HessType, *, loss_type: LossType = 
     except RuntimeError as error:
         if not refused_by_reentrant_checkpointing(error):
             raise
+        for state, before in zip(states, held):
+            if (state.captured_passes(), state.status.backward_seen) != before:
+                state.end_step()  # half run: the next forward starts a new step
         raise PerSampleHooksError(
             "backprop_hess: the model uses reentrant activation checkpointing "
             "(torch.utils.checkpoint with use_reentrant=True), through which no backward that "
             "leaves .grad alone can run (torch.autograd.grad, or a backward to given tensors). "
-            f"Use {NON_REENTRANT}; clear_backprops(model) before the next forward"
-            ) from error
-    for state, count in zip(states, held):
+            f"Use {NON_REENTRANT}") from error
+    for state, (count, _) in zip(states, held):
         if state.captured_passes() != count:
             state.status.hess_passes += len(seeds)
             state.status.hess_rows = output.shape[0]
+            seeded = state.status.hess_loss_type
+            state.status.hess_loss_type = loss_type if seeded in (None, loss_type) else "mixed"
     if recorded and edges.captured_passes() == before:  # autograd skips unreachable inputs
         raise PerSampleHooksError(
             "backprop_hess: no output that edges recorded is reached from output (edges of "
@@ -435,15 +439,30 @@ def compute_hess(model: nn.Module, loss_type: LossType = "mean", *,
         _check_unsupported(unsupported, "compute_hess")
     state, model_step = _nonempty_step(model, loss_type, "compute_hess")
     check_unseen_uses(state, model_step)
-    for _, p, passes in _parameter_passes(model_step, parameter_names(model, model_step)):
-        if not passes:
-            continue
-        block = torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
+    work = [entry for entry in _parameter_passes(model_step, parameter_names(model, model_step))
+            if entry[2]]
+    with refusal_ends_step(model):
+        blocks = [_zero_block(name, p) for name, p, _ in work]  # (none set if one cannot be)
+    for (_, p, passes), block in zip(work, blocks):
         # (torch.empty, not p.new_empty: a plain tensor for an FSDP2 DTensor too)
         buffer = torch.empty((model_step.batch_size, *p.shape), dtype=p.dtype, device=p.device)
         for forms in passes:
             add_gauss_newton(block, forms, buffer, model_step.scale)
         p.hess = block
+
+
+def _zero_block(name: str, p: Tensor) -> Tensor:
+    """``[p.numel(), p.numel()]`` zeros, or a refusal naming ``p`` where memory is short."""
+    try:
+        return torch.zeros((p.numel(), p.numel()), dtype=p.dtype, device=p.device)
+    except RuntimeError as error:  # (torch.OutOfMemoryError too)
+        raise PerSampleHooksError(
+            f"compute_hess: the block of '{name}' {tuple(p.shape)} has {p.numel()}^2 entries "
+            f"({p.numel() ** 2 * p.element_size() / 2**30:.1f} GiB), more than can be "
+            f"allocated ({str(error).splitlines()[0][:120]}). Freeze it for this step "
+            "(requires_grad_(False) before the forward), or take a smaller curvature of it: "
+            "compute_kfac (Kronecker factors; an Embedding's A is diagonal) or "
+            "compute_fisher_diag") from error
 
 
 @dataclass(eq=False)

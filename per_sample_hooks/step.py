@@ -437,6 +437,12 @@ def _prepare_step(model: nn.Module, loss_type: LossType, caller: str, grouped: b
             "backprop_hess (columns of the loss Hessian's square root), which per-sample "
             "gradients would add to the loss's (5-150% off). Take per-sample gradients in a "
             "step of their own (a new forward and loss.backward()), or before backprop_hess")
+    if status.hess_passes and status.hess_loss_type != loss_type:
+        raise PerSampleHooksError(
+            f"{caller}: backprop_hess scaled its passes for loss_type="
+            f"{status.hess_loss_type!r}, but this call reads them with loss_type={loss_type!r}"
+            " (a mean over the samples and a sum differ by the batch size squared here): pass "
+            "the same loss_type to both, in a new forward and backprop_hess (this step is over)")
     if status.hess_passes and status.hess_rows != batch_size:
         raise PerSampleHooksError(
             f"{caller}: backprop_hess was given an output of {status.hess_rows} rows, but the "

@@ -804,3 +804,58 @@ def test_per_sample_gradients_after_backprop_hess_are_refused(verb):
         for p, g in zip(params, expected):
             torch.testing.assert_close(p.grad1[i], g, rtol=1e-9, atol=1e-12)
     psh.remove_hooks(model)
+
+
+@pytest.mark.parametrize("verb", ["compute_hess", "compute_kfac", "compute_fisher_diag"])
+def test_passes_read_with_another_loss_type_are_refused(verb):
+    """``backprop_hess(loss_type="sum")`` then a curvature call with the default "mean" gave
+    ``N**2`` times the mean's curvature (neither the mean's nor the sum's), silently. Refused,
+    the step over; the same loss_type in a new step gives ``N`` times the mean's (a second
+    moment of grad1's per-sample gradients, the Fisher diagonal, the same)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+
+    def curvature(loss_type):
+        got = getattr(psh, verb)(model, loss_type=loss_type)
+        if verb == "compute_hess":
+            return [p.hess.clone() for p in model.parameters()]
+        if verb == "compute_fisher_diag":
+            return list(got.values())
+        return [torch.kron(*factors) for factors in got.values()]
+
+    with psh.add_hooks(model):
+        psh.backprop_hess(model(x), "CrossEntropy")
+        mean = curvature("mean")
+        psh.backprop_hess(model(x), "CrossEntropy", loss_type="sum")
+        with pytest.raises(psh.PerSampleHooksError, match=f"{verb}: backprop_hess scaled its "
+                           "passes for loss_type='sum', but this call reads them with "
+                           "loss_type='mean'"):
+            curvature("mean")
+        psh.backprop_hess(model(x), "CrossEntropy", loss_type="sum")
+        total = curvature("sum")
+    assert len(total) == len(mean) > 0
+    for t, m in zip(total, mean):
+        torch.testing.assert_close(t, (1 if verb == "compute_fisher_diag" else 4) * m,
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_a_block_too_large_to_allocate_is_refused_naming_the_parameter():
+    """compute_hess on a model with an embedding table ([V*d, V*d]: petabytes here) died in the
+    allocator naming nothing, the other layers' blocks unset. Refused naming the parameter and
+    what to take instead, nothing set; the next step, the table frozen, sets the others."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(200_000, 32), nn.Linear(32, 3))
+    ids, y = torch.randint(0, 200_000, (4, 3)), torch.randint(0, 3, (4,))
+    with psh.add_hooks(model):
+        F.cross_entropy(model(ids).mean(1), y).backward()
+        with pytest.raises(psh.PerSampleHooksError, match=r"compute_hess: the block of "
+                           r"'0.weight' \(200000, 32\) has 6400000\^2 entries .* compute_kfac"):
+            psh.compute_hess(model)
+        assert not any(hasattr(p, "hess") for p in model.parameters())
+        model[0].weight.requires_grad_(False)
+        model.zero_grad()
+        F.cross_entropy(model(ids).mean(1), y).backward()
+        psh.compute_hess(model)
+        assert model[1].weight.hess.shape == (96, 96) and model[1].bias.hess.shape == (3, 3)
+        assert not hasattr(model[0].weight, "hess")
