@@ -54,6 +54,13 @@ def _has_children(module: nn.Module) -> bool:
     return next(module.children(), None) is not None
 
 
+def _children_have_parameters(module: nn.Module) -> bool:
+    """Whether a child of ``module`` has parameters (hooked apart: a re-run of ``module`` by the
+    fallback would count its terms twice). Parameter-free children (einops' ``Rearrange`` in
+    ``EinMix``, activations) run inside such a re-run."""
+    return any(next(child.parameters(), None) is not None for child in module.children())
+
+
 fallback_rule = FallbackRule()
 raw_parameter_rule = RawParameterRule()
 raw_uses_or_fallback_rule = RawUsesOrFallbackRule()
@@ -270,7 +277,8 @@ def add_hooks(model: nn.Module, *, batch_dim: BatchDims = 0, fallback: bool = Tr
             frozen = has_parameters and not (trainable_parameters(module) or _frozen_parent(module))
             if not (has_parameters or module in forced) or frozen and not fallback:
                 continue
-            if module not in forced and _has_children(module):
+            if module not in forced and (_children_have_parameters(module) or
+                                         not fallback and _has_children(module)):
                 rule = raw_parameter_rule  # its raw parameters' uses followed, children hooked
             elif module not in forced and fallback:
                 rule = raw_uses_or_fallback_rule  # followed where it can be, else re-run

@@ -453,8 +453,11 @@ class _Expansion:
     batches until the batch meets one (:meth:`_Forward.provisional`); ``used``: one met the
     batch there, or left the forward."""
     sites: list[Site | LinearSite] = field(default_factory=list)
-    values: dict[int, tuple[Tensor, Derived]] = field(default_factory=dict)
+    #: (a child's output: no recipe)
+    values: dict[int, tuple[Tensor, Derived | None]] = field(default_factory=dict)
     used: bool = False
+    #: the first call of a child it was passed to (its outputs are values of it too)
+    child: str | None = None
 
 
 class _Forward:
@@ -483,16 +486,22 @@ class _Forward:
         # values of an expand to B of derived values with no batch in the op (provisional
         # batches, see :meth:`provisional`), each with the expand they come from
         self.expansion_of: dict[int, _Expansion] = {}
+        self.passing: list[_Expansion] = []  # those passed to the child being called
 
     def refuse(self, problem: str) -> None:
         if self.record.problem is None:
             self.record.problem = problem
 
     def add_batched(self, tensors: list[object]) -> None:
-        """Inputs and children's outputs: batched where their size at batch_dim is B."""
+        """Inputs and children's outputs: batched where their size at batch_dim is B, unless
+        a value every sample shares (a child called on positions made in the forward,
+        ``wpe(torch.arange(T))``, :mod:`~per_sample_hooks.shared_outputs`: ``T == B`` rows
+        that are positions)."""
+        from .shared_outputs import SharedOutput  # (it imports this module)
         dim, size = self.uses.batch_dim, self.batch_size
         for t in tensors:
-            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size:
+            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == size and not (
+                    isinstance(t, SharedOutput) and t.followed[0].following):
                 self.batched[id(t)] = t
 
     # --------------------------------------------------------------- the module's own ops
@@ -518,32 +527,38 @@ class _Forward:
         dim 0 the batch meets at another dim (``x [B, T, d] + e``). Where the batch meets such
         a value with size 1 at its batch_dim (padded to the batch's rank), the expand was
         over positions: its sites are dropped and its values are derived after all, as they
-        are where T != B."""
-        expansions = {id(e): e for e in map(self.expansion_of.get, map(id, inputs))
-                      if e is not None}
-        if not expansions:
+        are where T != B. So before the batch: one with size 1 there (``e[None]``, then
+        expanded over the batch), or met by a derived value with the batch's size there (a
+        position table ``pos [T, d]``)."""
+        def expansions() -> list[_Expansion]:
+            found = map(self.expansion_of.get, map(id, inputs))
+            return list({id(e): e for e in found if e is not None}.values())
+        if not expansions():
             return []
         real = [t for t in inputs if id(t) in self.batched and id(t) not in self.expansion_of]
-        if not real:
-            return list(expansions.values())
-        rank = max(t.dim() for t in inputs if id(t) in self.batched)
+        rank = max(t.dim() for t in inputs if id(t) in self.batched or id(t) in self.tracked)
         dim = self.uses.batch_dim if self.uses.batch_dim >= 0 else self.uses.batch_dim + rank
+        size = self.batch_size
+        rows = not real and any(id(t) in self.tracked and self.padded_size(t, rank, dim) == size
+                                for t in inputs)
         for t in inputs:
             expansion = self.expansion_of.get(id(t))
-            if expansion is not None and self.padded_size(t, rank, dim) == 1 != self.batch_size:
+            if expansion is not None and (rows or self.padded_size(t, rank, dim) == 1 != size):
                 self.derived_after_all(expansion)
-            elif expansion is not None:
+            elif expansion is not None and real:
                 expansion.used = True
-        return []
+        return [] if real else expansions()
 
     def derived_after_all(self, expansion: _Expansion) -> None:
         """Drop the sites of an expand over positions, and make its values derived."""
         if expansion.used:
             value = next(iter(expansion.values.values()))[1]
+            met = "the result both there and" if expansion.child is None else \
+                f"it at batch_dim in a call of {expansion.child}, and its output"
             self.refuse(
                 f"expands its raw parameter(s) {_describe(value)} to the batch's size at "
-                "batch_dim, and the batch meets the result both there "
-                "and at another dim: expand it where it meets the batch (`x + p`)")
+                f"batch_dim, and the batch meets {met} at another dim: expand it where it "
+                "meets the batch (`x + p`)")
             return
         for site in expansion.sites:
             index = next(i for i, s in enumerate(self.record.sites) if s is site)
@@ -577,7 +592,7 @@ class _Forward:
         def one(a: Tensor) -> object:
             expansion = self.expansion_of.get(id(a))
             entry = self.tracked.get(id(a)) if expansion is None else expansion.values[id(a)]
-            return a if entry is None else entry[1]
+            return a if entry is None or entry[1] is None else entry[1]
         return _replace(args, kwargs, Tensor, one)
 
     def follow(self, func: Callable[..., Any], args: tuple, kwargs: dict,
@@ -765,7 +780,8 @@ class _Forward:
         names = ("input", "weight", "bias") if func in LINEAR else ("input", "other")
         bound = dict(zip(names, args), **kwargs)
         x, dim = bound.get("input"), self.uses.batch_dim
-        if not isinstance(x, Tensor) or id(x) not in self.batched or not 0 <= dim < x.dim() - 1:
+        if not isinstance(x, Tensor) or id(x) not in self.batched or not 0 <= dim < x.dim() - 1 \
+                or x.shape[dim] != self.batch_size:  # (the batch moved off batch_dim)
             return None
         if func in LINEAR:
             found: list[str | None] = []
@@ -853,7 +869,9 @@ class _Forward:
         inputs = _leaves(args, kwargs, Tensor)
         where = f"a call of its child '{self.uses.names.get(child, '?')}'"
         self.check_inputs(inputs, where)
-        self.keep_expansions(inputs)
+        self.passing = self.keep_expansions(inputs)
+        for expansion in self.passing:
+            expansion.child = expansion.child or where.removeprefix("a call of its ")
         for t in inputs:
             entry = self.tracked.get(id(t))
             if entry is not None:
@@ -874,12 +892,24 @@ class _Forward:
                             f"{where} ({type(child).__name__}), whose rule takes its rows for "
                             "the batch's")
 
-    def keep_expansions(self, tensors: list[Tensor]) -> None:
+    def keep_expansions(self, tensors: list[Tensor]) -> list[_Expansion]:
         """Provisional batches that leave the forward are the batch (a child's input, an
-        output)."""
-        for t in tensors:
-            if id(t) in self.expansion_of:
-                self.expansion_of[id(t)].used = True
+        output): their expansions."""
+        kept = {id(e): e for e in map(self.expansion_of.get, map(id, tensors)) if e is not None}
+        for expansion in kept.values():
+            expansion.used = True
+        return list(kept.values())
+
+    def add_child_outputs(self, tensors: list[object]) -> None:
+        """A child's outputs: batched (:meth:`add_batched`), and values of the expansions
+        passed to it (met by the batch at another dim, refused)."""
+        self.add_batched(tensors)
+        for expansion in self.passing:
+            for t in tensors:
+                if isinstance(t, Tensor) and id(t) in self.batched:
+                    expansion.values[id(t)] = (t, None)
+                    self.expansion_of[id(t)] = expansion
+        self.passing = []
 
     def check_output(self, output: object) -> None:
         tensors = _flat_tensors(output)
@@ -1007,7 +1037,7 @@ class RawUses(TorchFunctionMode):
             if self.suspended:
                 self.__enter__()
                 self.suspended = False
-            forward.add_batched(_flat_tensors(output))
+            forward.add_child_outputs(_flat_tensors(output))
 
 
 def _inert() -> RawUses:

@@ -110,7 +110,7 @@ def follows(call: Call, first: object, output: Tensor, batch: int | None,
             model_input_ids: set[int]) -> bool:
     """Whether ``call`` (one tensor input ``first``, output ``output``) is followed: see the
     module's docstring."""
-    return (batch is not None and batch > 1 and isinstance(first, Tensor) and len(call.args) == 1
+    return (batch is not None and isinstance(first, Tensor) and len(call.args) == 1
             and not call.kwargs and first.grad_fn is None and not first.is_floating_point()
             and not first.is_complex() and call.shared_input is None
             and id(first) not in model_input_ids and (first._base is None or id(first._base)
@@ -205,12 +205,18 @@ def _following(args: tuple, kwargs: dict) -> list[SharedOutput]:
 
 
 def _of_the_batch(t: object, dim: int, batch: int) -> Tensor | None:
-    """``t`` where it is a tensor of the batch (``batch`` rows at ``dim``) and not a followed
-    value."""
-    if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch and not (
-            isinstance(t, SharedOutput) and t.followed[0].following):
+    """``t`` where it is a tensor of the batch (``batch`` rows at ``dim``) and neither a
+    followed value nor a trainable leaf (a parameter: a position table ``[T, d]``)."""
+    if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch and _may_be_batch(t):
         return t
     return None
+
+
+def _may_be_batch(t: Tensor) -> bool:
+    """Neither a followed value nor a trainable leaf (a parameter: a position table
+    ``[T, d]``)."""
+    return not (isinstance(t, SharedOutput) and t.followed[0].following) and not (
+        t.requires_grad and t.grad_fn is None)
 
 
 def _met_the_batch(args: tuple, kwargs: dict, values: list[SharedOutput], matmul: bool
@@ -232,8 +238,7 @@ def _met_the_batch(args: tuple, kwargs: dict, values: list[SharedOutput], matmul
     for value in values:
         if id(value) not in broadcast and at_batch(value) == batch and broadcast:
             value.followed[0].end()  # (its rows meet the samples: they are the samples)
-    if not any(at_batch(t) == batch for t in tensors
-               if not (isinstance(t, SharedOutput) and t.followed[0].following)):
+    if not any(at_batch(t) == batch for t in tensors if _may_be_batch(t)):
         return None
     for value in _following(args, kwargs):
         if id(value) not in broadcast or (matmul and value.dim() < 2):

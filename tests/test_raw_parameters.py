@@ -277,7 +277,24 @@ class FrozenChildWeightInOwnCode(nn.Module):
         return torch.tanh(F.linear(self.lin(x), self.lin.weight) * self.gamma)
 
 
+class MixesPositions(nn.Module):
+    """einops' ``EinMix('b (t p) d -> b t k')``: a parameter-free child (its ``Rearrange``)
+    splits the positions, then an einsum with the raw weight, which no use site follows: the
+    module is re-run by the fallback, its child inside (it was refused, as a module whose
+    children are hooked apart)."""
+
+    def __init__(self, d: int = 3, k: int = 2):
+        super().__init__()
+        self.pre_rearrange = nn.Unflatten(1, (1, 2))
+        self.weight = nn.Parameter(torch.randn(2, d, k))
+        self.bias = nn.Parameter(torch.randn(k))
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, 2, d] -> [B, 1, k]
+        return torch.einsum("btpd,pdk->btk", self.pre_rearrange(x), self.weight) + self.bias
+
+
 LEAVES = {"scale": lambda: nn.Sequential(nn.Linear(3, 4), LeafScale(4)),
+          "parameter_free_child": lambda: nn.Sequential(nn.Linear(3, 3), MixesPositions()),
           "custom_linear": lambda: nn.Sequential(CustomLinear(3, 4), nn.Tanh(),
                                                  CustomLinear(4, 2, bias=False)),
           "hand_norm": lambda: nn.Sequential(HandNorm(3), nn.Linear(3, 4)),
@@ -399,8 +416,29 @@ class ExpandedOverPositions(nn.Module):
         return self.head(self.proj(x) + by_hand + gated)
 
 
+class CoincidentSizes(ExpandedOverPositions):
+    """As many positions as samples (T == B = 5): a token expanded over the positions, then
+    over the batch; the same expand plus a position table ``[T, d]`` of its own; a child's
+    positions ``wpe(arange(T))`` scaled by a raw parameter (a child's output of T == B rows
+    that every sample shares, not the batch's)."""
+
+    def __init__(self, d=4):
+        super().__init__(d)
+        self.pos = nn.Parameter(torch.randn(5, d))
+        self.wpe = nn.Embedding(7, d)
+
+    def forward(self, x):  # [B, 5, 3]
+        positions = x.shape[1]
+        over_positions = self.tok[0].expand(positions, -1)
+        over_batch = over_positions.unsqueeze(0).expand(x.shape[0], -1, -1)
+        table = over_positions + self.pos
+        shared = self.wpe(torch.arange(positions)) * self.gate
+        return self.head(self.proj(x) + over_batch + table + shared)
+
+
 CASES = {
     "vit": (ViTLike, images),
+    "coincident_sizes": (CoincidentSizes, lambda b: [torch.randn(b, 5, 3)]),
     "expanded_over_positions": (ExpandedOverPositions, lambda b: [torch.randn(b, 5, 3)]),
     "expanded_over_other_positions": (ExpandedOverPositions, lambda b: [torch.randn(b, 4, 3)]),
     "latents": (LatentsAttend, lambda b: [torch.randn(b, 5, 4)]),
@@ -858,6 +896,32 @@ class ExpandedOverBothDims(nn.Module):
         return (h + expanded)[:, None] + h[:, None] * expanded
 
 
+class ExpandedToChild(ExpandedOverBothDims):
+    """An expand of a raw parameter (``[4, 3]``, B = 4) passed to a child, whose output the
+    batch meets at dim 1: refused, as a raw value passed to a child is where the sizes
+    differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x)[:, None] + self.child(self.gamma.expand(x.shape[0], -1))
+
+
+class TransposedLinear(ExpandedOverBothDims):
+    """``F.linear`` of the batch moved off batch_dim (``h.t()``, ``[3, B]``) by a raw weight:
+    it crashed in compute_grad1 (a reshape to the batch's size); refused as any use the path
+    cannot follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x):
+        return F.linear(self.lin(x).t(), self.weight).t()
+
+
 class TokenOnConstant(TokenOnZeros):
     """``torch.zeros(B, 1, d)`` is no batch (made from nothing): the token plus it is still a
     value without the batch, and concatenating it with the batch is refused."""
@@ -973,6 +1037,10 @@ REFUSALS = {
                      r"its child 'head'",
     ExpandedOverBothDims: r"expands its raw parameter\(s\) 'gamma' to the batch's size at "
                           r"batch_dim, and the batch meets the result both there and at another",
+    ExpandedToChild: r"'gamma' to the batch's size at batch_dim, and the batch meets it at "
+                     r"batch_dim in a call of child 'child', and its output at another dim",
+    TransposedLinear: r"uses its raw parameter\(s\) 'weight' together with the batch in "
+                      r"`linear`",
 }
 
 
@@ -999,7 +1067,8 @@ def test_uses_that_cannot_be_followed_are_refused_and_units_is_exact(module):
         assert f"'1' ({module.__name__}) " in message
         assert re.search(REFUSALS[module], message), message
         assert f"units=['{'' if module is Returned else '1'}']" in message
-    if module not in (Returned, Flipped, PermutedToChild, ExpandedOverBothDims):  # nor the loop
+    if module not in (Returned, Flipped, PermutedToChild, ExpandedOverBothDims, ExpandedToChild,
+                      TransposedLinear):  # nor can the loop
         assert_matches_loop(model, [x], loss_fn=loss_fn, units=["1"])
 
 

@@ -162,8 +162,9 @@ class RawParameterRule(Rule):
 
 
 class RawUsesOrFallbackRule(RawParameterRule):
-    """A module with raw parameters and no children (a learned scale or temperature, position
-    embeddings added to its input, a normalization written by hand): its calls whose uses of
+    """A module with raw parameters and no children with parameters (a learned scale or
+    temperature, position embeddings added to its input, a normalization written by hand,
+    einops' ``EinMix`` with its ``Rearrange``): its calls whose uses of
     the parameters can be followed (:class:`RawParameterRule`: exact, with no re-run, whatever
     random ops surround the uses) get their forms from the use sites; a call whose code used a
     parameter otherwise (``F.layer_norm`` with it, ``w @ x``) is re-run per sample by the
