@@ -155,3 +155,6 @@ def test_curvature_passes_through_checkpointing(dtype: torch.dtype) -> None:
         with pytest.raises(psh.PerSampleHooksError, match="backprop_hess: the model uses "
                            "reentrant activation checkpointing.*use_reentrant=False"):
             psh.backprop_hess(model(x), "LeastSquares")
+        # the refused step is over: the next ordinary one is not taken for its second micro-batch
+        model(x).square().sum().backward()
+        psh.compute_grad1(model, loss_type="sum")
