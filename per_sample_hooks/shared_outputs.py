@@ -205,18 +205,18 @@ def _following(args: tuple, kwargs: dict) -> list[SharedOutput]:
 
 
 def _of_the_batch(t: object, dim: int, batch: int) -> Tensor | None:
-    """``t`` where it is a tensor of the batch (``batch`` rows at ``dim``) and neither a
-    followed value nor a trainable leaf (a parameter: a position table ``[T, d]``)."""
+    """``t`` where it is a tensor of the batch (``batch`` rows at ``dim``): see
+    :func:`_may_be_batch`."""
     if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch and _may_be_batch(t):
         return t
     return None
 
 
 def _may_be_batch(t: Tensor) -> bool:
-    """Neither a followed value nor a trainable leaf (a parameter: a position table
-    ``[T, d]``)."""
-    return not (isinstance(t, SharedOutput) and t.followed[0].following) and not (
-        t.requires_grad and t.grad_fn is None)
+    """Neither a followed value nor a parameter (a position table ``[T, d]``; an input that
+    requires grad may be the batch)."""
+    return not (isinstance(t, SharedOutput) and t.followed[0].following or
+                isinstance(t, torch.nn.Parameter))
 
 
 def _met_the_batch(args: tuple, kwargs: dict, values: list[SharedOutput], matmul: bool

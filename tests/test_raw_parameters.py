@@ -881,14 +881,9 @@ class WritesInPlace(nn.Module):
         return self.lin(x) * scale
 
 
-class ExpandedOverBothDims(nn.Module):
+class ExpandedOverBothDims(MixesTheBatch):
     """One expand of a raw parameter (``[4, 3]``, B = 4) met by the batch at its dim 0 and, as
     positions, at dim 1: no one reading of it is right."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-        self.gamma = nn.Parameter(torch.randn(3))
 
     def forward(self, x):
         h = self.lin(x)
